@@ -1,0 +1,96 @@
+"""`m3gate` console script: one entry, a subcommand per job. Subcommands import their module lazily so that
+`m3gate sim` does not pay for the gateway's imports and vice versa."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from pools.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.path}: OK — model {cfg.model}, pools: "
+          + ", ".join(f"{p.name} ({p.max_model_len} tokens, {len(p.endpoints)} endpoints)" for p in cfg.pools_by_size()))
+    return 0
+
+
+def _cmd_config_schema(args: argparse.Namespace) -> int:
+    from pools.config import json_schema
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from pools.sim.cli import run
+
+    return run(args)
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    from pools.sim.cli import add_arguments
+
+    p = sub.add_parser("sim", help="run one simulated vLLM replica (MiniMax-M3 behaviour)",
+                       description="A vLLM-faithful simulated replica: same endpoints, SSE, errors and /metrics.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+
+    return serve(args.config, host=args.host, port=args.port)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="m3gate", description="Gateway in front of vLLM pools serving MiniMax-M3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway")
+    p.add_argument("--config", required=True, help="pool config YAML")
+    p.add_argument("--host", default=None, help="listen address (default: config server.host, env M3GATE_HOST)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: config server.port, env M3GATE_PORT)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("demo", help="start three simulated pools and the gateway; Ctrl-C stops all")
+    p.add_argument("--port", type=int, default=8080)
+    p.set_defaults(func=_cmd_demo)
+
+    cfg = sub.add_parser("config", help="validate the pool config or print its JSON schema")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    p = cfg_sub.add_parser("check", help="validate a config file and explain errors with their line")
+    p.add_argument("path")
+    p.set_defaults(func=_cmd_config_check)
+    p = cfg_sub.add_parser("schema", help="print the config's JSON schema (for editors)")
+    p.set_defaults(func=_cmd_config_schema)
+
+    try:
+        _add_sim(sub)
+    except ImportError:  # the simulator is optional while it is being built
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
