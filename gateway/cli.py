@@ -28,6 +28,18 @@ def _cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pools_render(args: argparse.Namespace) -> int:
+    from pools.config import ConfigError, load_config
+    from pools.launch import LaunchError, format_commands, render_config
+
+    try:
+        print(format_commands(render_config(load_config(args.path), args.pool), args.format), end="")
+    except (ConfigError, LaunchError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from pools.sim.cli import run
 
@@ -76,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config_check)
     p = cfg_sub.add_parser("schema", help="print the config's JSON schema (for editors)")
     p.set_defaults(func=_cmd_config_schema)
+
+    pools = sub.add_parser("pools", help="what the pool file says about launching the vLLM pools")
+    pools_sub = pools.add_subparsers(dest="pools_command", required=True)
+    p = pools_sub.add_parser("render", help="print each replica's `vllm serve` command and environment")
+    p.add_argument("path", help="pool config YAML")
+    p.add_argument("--pool", default=None, help="only this pool")
+    p.add_argument("--format", choices=["shell", "json"], default="shell")
+    p.set_defaults(func=_cmd_pools_render)
 
     try:
         _add_sim(sub)

@@ -1,0 +1,375 @@
+"""The gateway's runtime (`Gateway`) and its Starlette app.
+
+One request's path: `routes.generate` parses the body → `Gateway.classify` (policies/classify) → `Gateway.choose_pool`
+(policies/pool_choice, with an exact /tokenize count near a boundary) → `Gateway.forward`: replica choice
+(policies/replica_choice over snapshots) and the upstream call (gateway/relay), retried once before the first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import UpstreamFailure
+from gateway.relay import (
+    RETRYABLE_STATUS,
+    RequestRecord,
+    StreamRelay,
+    call_or_disconnect,
+    response_headers,
+    upstream_headers,
+)
+from policies.classify import RequestProfile, classify
+from policies.errors import RequestRejected
+from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
+from policies.replica_choice import NoReplicaAvailable, ReplicaPolicy, RoutingRequest, build_policy
+from policies.tokens import TokenCounter
+from pools.config import GatewayConfig
+from pools.monitor import ReplicaMonitor
+from pools.replicas import PoolRuntime, Replica
+
+log = logging.getLogger("m3gate")
+
+# Requests whose body is larger than this are classified in a worker thread, off the event loop.
+CLASSIFY_IN_THREAD_BYTES = 256 * 1024
+MAX_ATTEMPTS = 2
+
+
+class Gateway:
+    """Everything one gateway process knows: config, pools and replicas, policies, the upstream session."""
+
+    def __init__(self, config: GatewayConfig, clock: Any = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.counter = TokenCounter(config.classification)
+        self.pools: dict[str, PoolRuntime] = {}
+        self.policies: dict[str, ReplicaPolicy] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: ReplicaMonitor | None = None
+        self._apply_config(config)
+
+    # lifecycle ---------------------------------------------------------------------------------------------
+    def _apply_config(self, config: GatewayConfig) -> None:
+        previous = self.pools
+        self.config = config
+        self.pools = {p.name: PoolRuntime.from_config(p, previous.get(p.name)) for p in config.pools_by_size()}
+        self.policies = {
+            name: self.policies.get(name) or build_policy(config.routing.policy) for name in self.pools
+        }
+        self._served = frozenset(config.served_model_ids())
+
+    async def start(self) -> None:
+        server = self.config.server
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=10, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=server.upstream_connect_timeout_s, sock_read=server.upstream_read_timeout_s
+            ),
+        )
+        self.monitor = ReplicaMonitor(
+            self.session, self.all_replicas, server.health_interval_s, headers_for=self._probe_headers, clock=self.clock
+        )
+        await self.monitor.poll_once()
+        self.monitor.start()
+
+    async def stop(self) -> None:
+        if self.monitor:
+            await self.monitor.stop()
+        if self.session:
+            await self.session.close()
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for pool in self.pools.values() for r in pool.replicas.values()]
+
+    def _probe_headers(self, replica: Replica) -> dict[str, str]:
+        key = self.pools[replica.pool].config.api_key if replica.pool in self.pools else None
+        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+    # classification ----------------------------------------------------------------------------------------
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise RequestRejected("`model` must be a string", param="model", code="invalid_type")
+        if model not in self._served:
+            raise RequestRejected(
+                f"The model `{model}` does not exist. This gateway serves: {', '.join(sorted(self._served))}.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def classify(self, body: dict[str, Any], api: str, body_size: int) -> RequestProfile:
+        cfg = self.config.classification
+        if body_size > CLASSIFY_IN_THREAD_BYTES:
+            return await asyncio.to_thread(classify, body, api, cfg, self.counter)
+        return classify(body, api, cfg, self.counter)
+
+    async def choose_pool(
+        self, profile: RequestProfile, body: dict[str, Any], api: str, forced: str | None
+    ) -> tuple[PoolChoice, RequestProfile]:
+        now = self.clock()
+        pools = [p.config for p in self.pools.values()]
+        saturated = frozenset(name for name, p in self.pools.items() if not p.available(now))
+        cfg = self.config.classification
+        choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
+        if choice.needs_exact_count and api in ("chat", "completions"):
+            exact = await self.exact_prompt_tokens(self.pools[choice.pool.name], body, api)
+            if exact is not None:
+                profile = with_exact_prompt_tokens(profile, exact)
+                choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
+        return choice, profile
+
+    async def exact_prompt_tokens(self, pool: PoolRuntime, body: dict[str, Any], api: str) -> int | None:
+        """Ask one of the pool's replicas to count the prompt with the model's own tokenizer and template."""
+        now = self.clock()
+        replicas = [r for r in pool.replicas.values() if r.is_available(now)]
+        if not replicas or self.session is None:
+            return None
+        if api == "chat":
+            payload: dict[str, Any] = {"model": self.config.model, "messages": body.get("messages")}
+            for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+                if key in body:
+                    payload[key] = body[key]
+        else:
+            payload = {"model": self.config.model, "prompt": body.get("prompt")}
+        headers = {"content-type": "application/json", **self._probe_headers(replicas[0])}
+        try:
+            async with self.session.post(
+                replicas[0].url + "/tokenize", data=orjson.dumps(payload), headers=headers,
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                data = orjson.loads(await resp.read())
+                count = data.get("count")
+                return int(count) if isinstance(count, int) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
+            return None
+
+    def prefix_blocks(self, body: dict[str, Any], api: str) -> tuple[int, ...]:
+        """Chained prefix-block hashes, only computed when the routing policy reads them."""
+        if self.config.routing.policy != "prefix_affinity":
+            return ()
+        from policies.prefix import prefix_blocks
+
+        return prefix_blocks(body, api, self.config.model)
+
+    # forwarding --------------------------------------------------------------------------------------------
+    def _targets(self, choice: PoolChoice, routing: RoutingRequest) -> list[tuple[PoolRuntime, Replica, str, int]]:
+        """Up to MAX_ATTEMPTS (pool, replica, reason, matched blocks): the best replica, then the next best in
+        the same pool, else the best of the next larger pool."""
+        now = self.clock()
+        targets: list[tuple[PoolRuntime, Replica, str, int]] = []
+        for pool_cfg in choice.candidates:
+            pool = self.pools[pool_cfg.name]
+            try:
+                decision = self.policies[pool.name].choose(routing, pool.snapshots(now), now)
+            except NoReplicaAvailable:
+                continue
+            for url in (decision.replica, *decision.fallbacks):
+                replica = pool.replicas.get(url)
+                if replica is not None and replica.is_available(now):
+                    targets.append((pool, replica, decision.reason, decision.matched_blocks))
+                    if len(targets) >= MAX_ATTEMPTS:
+                        return targets
+        return targets
+
+    async def forward(
+        self,
+        request: Request,
+        record: RequestRecord,
+        choice: PoolChoice,
+        profile: RequestProfile,
+        routing: RoutingRequest,
+        payload: bytes,
+        strip_usage: bool,
+    ) -> Response | StreamRelay:
+        assert self.session is not None
+        targets = self._targets(choice, routing)
+        if not targets:
+            raise UpstreamFailure(
+                503,
+                f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
+                "no_healthy_replica",
+            )
+        raw_headers = request.scope["headers"]
+        tokens = profile.prompt_tokens + profile.output_budget
+        last_failure: UpstreamFailure | None = None
+        for attempt, (pool, replica, reason, matched) in enumerate(targets):
+            record.attempts = attempt + 1
+            record.retried = attempt > 0
+            record.pool, record.replica = pool.name, replica.url
+            record.reason = "retry" if attempt else reason
+            record.matched_blocks = matched
+            key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
+            headers = upstream_headers(raw_headers, key)
+            extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url}
+            guard = replica.guard(tokens)
+            record.t_sent = self.clock()
+            self.policies[pool.name].dispatched(routing, replica.url, record.t_sent)
+            upstream: aiohttp.ClientResponse | None = None
+            try:
+                disconnected, upstream = await call_or_disconnect(
+                    request.receive,
+                    self.session.post(replica.url + record.extra["path"], data=payload, headers=headers),
+                )
+                if disconnected:
+                    guard.release()
+                    record.client_disconnected = True
+                    return Response(status_code=499)
+                assert upstream is not None
+                if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
+                    await upstream.read()
+                    upstream.release()
+                    replica.record_failure(self.clock())
+                    guard.release()
+                    last_failure = UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
+                    continue
+                if upstream.status >= 500:
+                    replica.record_failure(self.clock())
+                else:
+                    replica.record_success()
+                record.status = upstream.status
+                is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+                if is_sse:
+                    record.t_first_byte = self.clock()
+                    return StreamRelay(
+                        upstream, response_headers(upstream.headers, extra), guard, record,
+                        strip_usage, self._finished,
+                    )
+                try:
+                    disconnected, body = await call_or_disconnect(request.receive, upstream.read())
+                finally:
+                    upstream.release()
+                    guard.release()
+                record.t_first_byte = record.t_last_byte = self.clock()
+                if disconnected:
+                    record.client_disconnected = True
+                    return Response(status_code=499)
+                if upstream.status == 200 and "content-encoding" not in upstream.headers:
+                    record.usage = _usage_of(body)
+                await self._finished(record)
+                return _RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
+            except (aiohttp.ClientError, OSError) as exc:
+                guard.release()
+                if upstream is not None:
+                    upstream.release()
+                replica.record_failure(self.clock())
+                last_failure = UpstreamFailure(
+                    502, f"replica {replica.url} of pool '{pool.name}' is unreachable ({type(exc).__name__})",
+                    "upstream_unreachable",
+                )
+            except asyncio.TimeoutError:
+                guard.release()
+                if upstream is not None:
+                    upstream.release()
+                replica.record_failure(self.clock())
+                last_failure = UpstreamFailure(
+                    504, f"replica {replica.url} of pool '{pool.name}' did not answer in time", "upstream_timeout"
+                )
+            except BaseException:
+                guard.release()
+                if upstream is not None:
+                    upstream.release()
+                raise
+        assert last_failure is not None
+        raise last_failure
+
+    async def _finished(self, record: RequestRecord) -> None:
+        """Feed latency estimates back to the replica; telemetry hooks in here."""
+        pool = self.pools.get(record.pool)
+        replica = pool.replicas.get(record.replica) if pool else None
+        if replica is None or record.status != 200 or not record.t_first_byte:
+            return
+        usage = record.usage or {}
+        completion = usage.get("completion_tokens") or 0
+        prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if record.stream:
+            replica.observe_latency(
+                max(0, prompt - cached), record.t_first_byte - record.t_sent,
+                completion, record.t_last_byte - record.t_first_byte,
+            )
+
+
+class _RawResponse(Response):
+    """A complete upstream body with the upstream's own headers, sent as is."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes):
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def build_app(config: GatewayConfig) -> Starlette:
+    from gateway.routes import routes
+
+    gateway = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers=_exception_handlers())
+    app.state.gateway = gateway
+    return app
+
+
+def _exception_handlers() -> dict[Any, Any]:
+    """Even the gateway's own surprises and unknown paths answer in OpenAI's error shape."""
+    from starlette.exceptions import HTTPException
+
+    from gateway.errors import error_response
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, message, type_, code=exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, "The gateway failed on this request; it has been logged.", "server_error")
+
+    return {HTTPException: http_error, Exception: internal_error}
+
+
+def pool_summary(gateway: Gateway) -> Mapping[str, Any]:
+    now = gateway.clock()
+    return {
+        name: {
+            "max_model_len": pool.config.max_model_len,
+            "replicas": {
+                r.url: {"available": r.is_available(now), "in_flight": r.in_flight} for r in pool.replicas.values()
+            },
+        }
+        for name, pool in gateway.pools.items()
+    }

@@ -1,0 +1,64 @@
+"""The plain data a replica-choice policy reads and returns.
+
+The gateway builds these at decision time from what `pools/` knows (health, scraped metrics, in-flight guards), hands
+them to a policy, and acts on the `RoutingDecision`. Keeping them frozen and free of behaviour is what lets policies
+stay pure and tests craft any situation in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    """What the gateway knows about one replica at decision time."""
+
+    url: str
+    pool: str
+    healthy: bool = True  # active health + passive ejection folded in by the gateway
+    draining: bool = False
+    in_flight: int = 0  # the gateway's own in-flight requests to it
+    in_flight_tokens: int = 0  # their prompt+output token estimates
+    waiting: float | None = None  # scraped vllm:num_requests_waiting (None = never scraped)
+    running: float | None = None  # scraped vllm:num_requests_running
+    kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
+    metrics_age_s: float | None = None  # seconds since the last successful scrape (None = never)
+    prefill_s_per_token: float = 60e-6  # EWMA of observed TTFT per uncached prompt token
+    tpot_s: float = 0.02  # EWMA of time per output token
+    kv_blocks: int | None = None  # KV cache capacity in blocks (config or vllm:cache_config_info)
+    block_size: int = 128  # the replica's --block-size
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """The few facts about a request that replica choice needs (the classifier computes them)."""
+
+    prompt_tokens: int
+    output_budget: int
+    block_hashes: tuple[int, ...] = ()  # chained prefix-block hashes (policies/prefix.py)
+    session_key: str | None = None  # x-session-id header or body `user`
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Where to send a request, what to try next, and why (for headers, spans and the admin API)."""
+
+    replica: str  # url
+    fallbacks: tuple[str, ...]  # next-best replicas in order (for a retry before the first byte)
+    reason: str  # "round_robin" | "least_loaded" | "affinity_hit" | "load_spill" | "cold_rendezvous" | "session" ...
+    predicted_ttft_s: float | None
+    matched_blocks: int
+    scores: Mapping[str, float] = field(default_factory=dict)  # per replica url, higher is better
+
+
+class NoReplicaAvailable(Exception):
+    """Every replica was filtered out (unhealthy or draining): the gateway answers 503 or spills to another pool."""
+
+    def __init__(self, pool: str | None, considered: int, why: str = "no healthy, non-draining replica"):
+        self.pool = pool
+        self.considered = considered
+        self.why = why
+        where = f"pool {pool!r}" if pool else "the candidate set"
+        super().__init__(f"{why} in {where} ({considered} considered)")

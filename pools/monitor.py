@@ -1,0 +1,130 @@
+"""Active health checks and /metrics scraping for every replica, on one short interval.
+
+A replica is healthy when `/health` answers 200. Its load (waiting, running, KV usage, prefix counters, cache config)
+comes from vLLM's own `/metrics`, parsed with prometheus_client's parser. Only the few families routing reads are fed
+to the parser, so scraping a replica costs well under a millisecond of gateway CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pools.replicas import Replica, ScrapedLoad
+
+log = logging.getLogger("m3gate.monitor")
+
+_WANTED = (
+    b"vllm:num_requests_waiting{",
+    b"vllm:num_requests_running{",
+    b"vllm:kv_cache_usage_perc{",
+    b"vllm:prefix_cache_queries_total{",
+    b"vllm:prefix_cache_hits_total{",
+    b"vllm:cache_config_info{",
+)
+
+
+def parse_vllm_metrics(text: bytes) -> ScrapedLoad:
+    """Sum the routing-relevant series over engines (DP ranks) from a vLLM /metrics body."""
+    lines = [line for line in text.split(b"\n") if line.startswith(_WANTED)]
+    values: dict[str, float] = {}
+    blocks: int | None = None
+    block_size: int | None = None
+    for family in text_string_to_metric_families(b"\n".join(lines).decode("utf-8", "replace") + "\n"):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                nb = sample.labels.get("num_gpu_blocks")
+                bs = sample.labels.get("block_size")
+                if nb and nb.isdigit():
+                    blocks = (blocks or 0) + int(nb)
+                if bs and bs.isdigit():
+                    block_size = int(bs)
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    engines = max(1, sum(1 for line in lines if line.startswith(b"vllm:kv_cache_usage_perc{")))
+    return ScrapedLoad(
+        waiting=values.get("vllm:num_requests_waiting", 0.0),
+        running=values.get("vllm:num_requests_running", 0.0),
+        kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0) / engines,
+        prefix_queries=values.get("vllm:prefix_cache_queries_total", 0.0),
+        prefix_hits=values.get("vllm:prefix_cache_hits_total", 0.0),
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+    )
+
+
+class ReplicaMonitor:
+    """Polls every replica returned by `replicas()` each `interval_s`; one task, bounded timeouts."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        replicas: Callable[[], Iterable[Replica]],
+        interval_s: float,
+        headers_for: Callable[[Replica], dict[str, str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._session = session
+        self._replicas = replicas
+        self._interval_s = interval_s
+        self._headers_for = headers_for or (lambda _r: {})
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval_s)))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="m3gate-replica-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self._interval_s)
+
+    async def poll_once(self) -> None:
+        replicas = list(self._replicas())
+        if replicas:
+            await asyncio.gather(*(self._poll(r) for r in replicas), return_exceptions=True)
+
+    async def _poll(self, replica: Replica) -> None:
+        headers = self._headers_for(replica)
+        try:
+            async with self._session.get(replica.url + "/health", headers=headers, timeout=self._timeout) as resp:
+                await resp.read()
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            healthy = False
+        if healthy != replica.healthy:
+            log.warning("replica %s (pool %s) is now %s", replica.url, replica.pool, "healthy" if healthy else "UNHEALTHY")
+        replica.healthy = healthy
+        if not healthy:
+            return
+        try:
+            async with self._session.get(replica.url + "/metrics", headers=headers, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                body = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        try:
+            load = parse_vllm_metrics(body)
+        except ValueError:
+            return
+        replica.scraped = load
+        replica.scraped_at = self._clock()
+        if load.num_gpu_blocks and replica.kv_blocks is None:
+            replica.kv_blocks = load.num_gpu_blocks

@@ -1,0 +1,160 @@
+"""What the gateway knows about each replica at run time: health, its own in-flight load, scraped vLLM load and
+latency estimates. Policies never see these objects, only the immutable `ReplicaSnapshot`s they produce.
+
+Load accounting goes through `Replica.guard()` (a context manager), so no code path — error, retry, client
+disconnect — can leak an in-flight count (peers' PS PR #1072 / VR #179 class of bugs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from policies.snapshot import ReplicaSnapshot
+from pools.config import PoolConfig
+
+EWMA_ALPHA = 0.2
+EJECT_BASE_S = 1.0
+EJECT_MAX_S = 30.0
+
+
+@dataclass
+class ScrapedLoad:
+    """The subset of a replica's /metrics that routing reads."""
+
+    waiting: float
+    running: float
+    kv_usage: float
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+class LoadGuard:
+    """Releases a replica's in-flight count exactly once: usable as `with` or by an explicit `release()`, so a
+    streaming response can hold it past the handler's return and drop it when the stream ends or is cancelled."""
+
+    __slots__ = ("_replica", "_tokens")
+
+    def __init__(self, replica: Replica, tokens: int):
+        self._replica: Replica | None = replica
+        self._tokens = tokens
+
+    def release(self) -> None:
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            replica.in_flight -= 1
+            replica.in_flight_tokens -= self._tokens
+
+    def __enter__(self) -> LoadGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # last line of defence; release() is always called explicitly
+        self.release()
+
+
+@dataclass
+class Replica:
+    url: str
+    pool: str
+    block_size: int = 128
+    kv_blocks: int | None = None
+    # health
+    healthy: bool = True  # last active /health answer
+    draining: bool = False
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    # own load
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    # scraped load
+    scraped: ScrapedLoad | None = None
+    scraped_at: float | None = None
+    # latency estimates (EWMA)
+    prefill_s_per_token: float = 60e-6
+    tpot_s: float = 0.02
+    requests_total: int = field(default=0)
+
+    def is_available(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.ejected_until
+
+    def snapshot(self, now: float) -> ReplicaSnapshot:
+        s = self.scraped
+        return ReplicaSnapshot(
+            url=self.url,
+            pool=self.pool,
+            healthy=self.healthy and now >= self.ejected_until,
+            draining=self.draining,
+            in_flight=self.in_flight,
+            in_flight_tokens=self.in_flight_tokens,
+            waiting=s.waiting if s else None,
+            running=s.running if s else None,
+            kv_usage=s.kv_usage if s else None,
+            metrics_age_s=(now - self.scraped_at) if self.scraped_at is not None else None,
+            prefill_s_per_token=self.prefill_s_per_token,
+            tpot_s=self.tpot_s,
+            kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+        )
+
+    def guard(self, tokens: int) -> LoadGuard:
+        """Count one request and its tokens as in flight until the guard is released (idempotently)."""
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.requests_total += 1
+        return LoadGuard(self, tokens)
+
+    # passive health -------------------------------------------------------------------------------------------
+    def record_failure(self, now: float) -> None:
+        """A connection error or 5xx: eject with exponential back-off so a dead replica stops costing retries."""
+        self.consecutive_failures += 1
+        backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (self.consecutive_failures - 1))
+        self.ejected_until = now + backoff
+        self.ejections += 1
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+
+    def observe_latency(self, uncached_prompt_tokens: int, ttft_s: float, output_tokens: int, decode_s: float) -> None:
+        if uncached_prompt_tokens > 0 and ttft_s > 0:
+            sample = ttft_s / uncached_prompt_tokens
+            self.prefill_s_per_token += EWMA_ALPHA * (sample - self.prefill_s_per_token)
+        if output_tokens > 1 and decode_s > 0:
+            sample = decode_s / (output_tokens - 1)
+            if math.isfinite(sample):
+                self.tpot_s += EWMA_ALPHA * (sample - self.tpot_s)
+
+
+@dataclass
+class PoolRuntime:
+    """A configured pool and its live replicas (kept across config reloads when the URL stays)."""
+
+    config: PoolConfig
+    replicas: dict[str, Replica]
+
+    @classmethod
+    def from_config(cls, config: PoolConfig, previous: PoolRuntime | None = None) -> PoolRuntime:
+        kept = previous.replicas if previous else {}
+        replicas = {}
+        for url in config.endpoints:
+            replica = kept.get(url) or Replica(url=url, pool=config.name)
+            replica.block_size = config.block_size
+            replica.kv_blocks = config.kv_blocks or replica.kv_blocks
+            replicas[url] = replica
+        return cls(config=config, replicas=replicas)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def snapshots(self, now: float) -> list[ReplicaSnapshot]:
+        return [r.snapshot(now) for r in self.replicas.values()]
+
+    def available(self, now: float) -> bool:
+        return any(r.is_available(now) for r in self.replicas.values())
