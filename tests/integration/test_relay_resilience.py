@@ -1,0 +1,145 @@
+"""The relay under real failures of simulated replicas: byte-faithful streams, aborts on disconnect, retries before
+the first byte, SSE error events after it."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.launcher import GatewayProcess, start_gateway
+from pools.sim.launcher import SimProcess, running_sims
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}]}
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[SimProcess]]:
+    with running_sims([{"max_model_len": 8192, "extra_args": ["--speed", "20"]} for _ in range(2)]) as sims:
+        yield sims
+
+
+@pytest.fixture(scope="module")
+def gateway(replicas: list[SimProcess]) -> Iterator[GatewayProcess]:
+    gw = start_gateway({
+        "model": MODEL,
+        "pools": [{"name": "interactive", "max_model_len": 8192, "endpoints": [s.url for s in replicas]}],
+        "server": {"health_interval_s": 0.3, "upstream_read_timeout_s": 1.5},
+        "classification": {"output_budget": {"adaptive": 512, "enabled": 1024, "disabled": 256}},
+    })
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def healthy_replicas(replicas: list[SimProcess]) -> Iterator[None]:
+    for sim in replicas:
+        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, unhealthy=False, added_latency_ms=0)
+    time.sleep(0.4)
+    yield
+    for sim in replicas:
+        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, unhealthy=False, added_latency_ms=0)
+
+
+def _normalise(sse: bytes) -> bytes:
+    return re.sub(rb'"created":\d+', b'"created":0', sse)
+
+
+def test_stream_is_byte_identical_to_the_replicas(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    body = {**CHAT, "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}, "seed": 7}
+    via = httpx.post(gateway.base_url + "/chat/completions", json=body, headers={"x-request-id": "same-id"}, timeout=30)
+    replica = via.headers["x-m3gate-endpoint"]
+    direct = httpx.post(replica + "/v1/chat/completions", json=body, headers={"x-request-id": "same-id"}, timeout=30)
+    assert via.status_code == direct.status_code == 200
+    assert via.headers["content-type"] == direct.headers["content-type"]
+    assert _normalise(via.content) == _normalise(direct.content)
+    assert via.content.endswith(b"data: [DONE]\n\n")
+
+
+def test_client_disconnect_aborts_the_upstream_request(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    before = {s.url: s.stats()["aborted"] for s in replicas}
+    body = {**CHAT, "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", gateway.base_url + "/chat/completions", json=body, timeout=30) as resp:
+        replica = resp.headers["x-m3gate-endpoint"]
+        for i, _ in enumerate(resp.iter_raw()):
+            if i >= 2:
+                break
+    sim = next(s for s in replicas if s.url == replica)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sim.stats()["aborted"] == before[replica]:
+        time.sleep(0.05)
+    stats = sim.stats()
+    assert stats["aborted"] == before[replica] + 1
+    assert stats["running"] == 0
+
+
+def test_5xx_before_first_byte_is_retried_on_the_other_replica(
+    gateway: GatewayProcess, replicas: list[SimProcess]
+) -> None:
+    broken, good = replicas
+    broken.set_faults(error_rate=1.0)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+    for i in range(6):
+        raw = client.chat.completions.with_raw_response.create(**CHAT, max_tokens=4, stream=bool(i % 2))
+        assert raw.status_code == 200
+        assert raw.headers["x-m3gate-endpoint"] == good.url
+    # the broken replica was tried at most a couple of times before being ejected
+    assert broken.stats()["injected_errors"] <= 2
+
+
+def test_hung_replica_times_out_and_is_retried(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    hung, good = replicas
+    hung.set_faults(hang=True)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=30)
+    started = time.monotonic()
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(**CHAT, max_tokens=4)
+        assert raw.headers["x-m3gate-endpoint"] == good.url
+    assert time.monotonic() - started < 10
+
+
+def test_mid_stream_failure_ends_with_an_sse_error_event(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    for sim in replicas:
+        sim.set_faults(drop_mid_stream=1.0)
+    resp = httpx.post(gateway.base_url + "/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True},
+                      timeout=30)
+    assert resp.status_code == 200
+    events = [e for e in resp.content.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert b'"error"' in events[-2]
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(**CHAT, max_tokens=200, stream=True):
+            pass
+
+
+def test_killed_replica_costs_no_request() -> None:
+    with running_sims([{"max_model_len": 8192, "extra_args": ["--instant"]} for _ in range(2)]) as sims:
+        gw = start_gateway({"model": MODEL, "pools": [
+            {"name": "interactive", "max_model_len": 8192, "endpoints": [s.url for s in sims]}],
+            "server": {"health_interval_s": 0.3}})
+        try:
+            client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+            sims[0].kill()
+            served = [client.chat.completions.with_raw_response.create(**CHAT, max_tokens=2).headers[
+                "x-m3gate-endpoint"] for _ in range(10)]
+            assert set(served) == {sims[1].url}
+        finally:
+            gw.stop()
+
+
+def test_unhealthy_replica_is_avoided(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    sick, good = replicas
+    sick.set_faults(unhealthy=True)
+    time.sleep(0.8)  # two health intervals
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+    served = {client.chat.completions.with_raw_response.create(**CHAT, max_tokens=2).headers["x-m3gate-endpoint"]
+              for _ in range(6)}
+    assert served == {good.url}
