@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import UpstreamFailure
+from gateway.telemetry import Telemetry
 from gateway.relay import (
     RETRYABLE_STATUS,
     RequestRecord,
@@ -57,6 +58,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.monitor: ReplicaMonitor | None = None
         self._apply_config(config)
+        self.telemetry = Telemetry(self)
 
     # lifecycle ---------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
@@ -90,6 +92,7 @@ class Gateway:
             await self.monitor.stop()
         if self.session:
             await self.session.close()
+        await self.telemetry.shutdown()
 
     def all_replicas(self) -> list[Replica]:
         return [r for pool in self.pools.values() for r in pool.replicas.values()]
@@ -218,6 +221,7 @@ class Gateway:
             record.matched_blocks = matched
             key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
             headers = upstream_headers(raw_headers, key)
+            self.telemetry.inject(record, headers)
             extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url}
             guard = replica.guard(tokens)
             record.t_sent = self.clock()
@@ -231,6 +235,8 @@ class Gateway:
                 if disconnected:
                     guard.release()
                     record.client_disconnected = True
+                    record.status = 499
+                    await self.finished(record)
                     return Response(status_code=499)
                 assert upstream is not None
                 if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
@@ -250,7 +256,7 @@ class Gateway:
                     record.t_first_byte = self.clock()
                     return StreamRelay(
                         upstream, response_headers(upstream.headers, extra), guard, record,
-                        strip_usage, self._finished,
+                        strip_usage, self.finished,
                     )
                 try:
                     disconnected, body = await call_or_disconnect(request.receive, upstream.read())
@@ -260,10 +266,12 @@ class Gateway:
                 record.t_first_byte = record.t_last_byte = self.clock()
                 if disconnected:
                     record.client_disconnected = True
+                    record.status = 499
+                    await self.finished(record)
                     return Response(status_code=499)
                 if upstream.status == 200 and "content-encoding" not in upstream.headers:
                     record.usage = _usage_of(body)
-                await self._finished(record)
+                await self.finished(record)
                 return _RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
             except (aiohttp.ClientError, OSError) as exc:
                 guard.release()
@@ -290,21 +298,21 @@ class Gateway:
         assert last_failure is not None
         raise last_failure
 
-    async def _finished(self, record: RequestRecord) -> None:
-        """Feed latency estimates back to the replica; telemetry hooks in here."""
-        pool = self.pools.get(record.pool)
-        replica = pool.replicas.get(record.replica) if pool else None
-        if replica is None or record.status != 200 or not record.t_first_byte:
-            return
-        usage = record.usage or {}
-        completion = usage.get("completion_tokens") or 0
-        prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
-        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        if record.stream:
-            replica.observe_latency(
-                max(0, prompt - cached), record.t_first_byte - record.t_sent,
-                completion, record.t_last_byte - record.t_first_byte,
-            )
+    async def finished(self, record: RequestRecord) -> None:
+        """Called exactly once per request, however it ended: feeds latency estimates back, then telemetry."""
+        if record.status == 200 and record.t_first_byte and record.stream:
+            pool = self.pools.get(record.pool)
+            replica = pool.replicas.get(record.replica) if pool else None
+            if replica is not None:
+                usage = record.usage or {}
+                completion = usage.get("completion_tokens") or 0
+                prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                replica.observe_latency(
+                    max(0, prompt - cached), record.t_first_byte - record.t_sent,
+                    completion, record.t_last_byte - record.t_first_byte,
+                )
+        self.telemetry.finish(record)
 
 
 class _RawResponse(Response):

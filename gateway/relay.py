@@ -55,7 +55,8 @@ class RequestRecord:
     prompt_tokens_est: int = 0
     matched_blocks: int = 0
     t_classified: float = 0.0
-    t_routed: float = 0.0
+    t_routed: float = 0.0  # pool and replica chosen
+    t_admitted: float = 0.0  # left the gateway's admission queue (== t_routed when nothing waited)
     t_sent: float = 0.0
     t_first_byte: float = 0.0
     t_last_byte: float = 0.0
@@ -65,6 +66,7 @@ class RequestRecord:
     usage: dict[str, Any] | None = None
     error: str | None = None
     client_disconnected: bool = False
+    trace: Any = None  # telemetry's per-request state (span), opaque to everything else
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -94,6 +94,7 @@ async def generate(request: Request) -> Any:
     api = GENERATE_PATHS[request.url.path]
     record = RequestRecord(api=api, stream=False, t_arrival=gw.clock())
     record.extra["path"] = request.url.path
+    gw.telemetry.start(record, request.headers)
     try:
         raw = await read_body(request, gw.config.server.max_body_bytes)
         body = parse_json_object(raw)
@@ -114,8 +115,12 @@ async def generate(request: Request) -> Any:
         record.t_routed = gw.clock()
         return await gw.forward(request, record, choice, profile, routing, payload, strip_usage)
     except RequestRejected as exc:
+        record.status, record.error = exc.status, exc.code or exc.type
+        await gw.finished(record)
         return rejected_response(exc)
     except UpstreamFailure as exc:
+        record.status, record.error = exc.status, exc.code
+        await gw.finished(record)
         headers = {"retry-after": "1"} if exc.status == 503 else None
         return exc.response(headers)
 
