@@ -37,6 +37,7 @@ from policies.replica_choice import NoReplicaAvailable, ReplicaPolicy, RoutingRe
 from policies.tokens import TokenCounter
 from pools.config import GatewayConfig
 from pools.monitor import ReplicaMonitor
+from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime, Replica
 
 log = logging.getLogger("m3gate")
@@ -55,6 +56,8 @@ class Gateway:
         self.counter = TokenCounter(config.classification)
         self.pools: dict[str, PoolRuntime] = {}
         self.policies: dict[str, ReplicaPolicy] = {}
+        self.prefix_index = PrefixIndex()
+        self.config = config
         self.session: aiohttp.ClientSession | None = None
         self.monitor: ReplicaMonitor | None = None
         self._apply_config(config)
@@ -63,12 +66,39 @@ class Gateway:
     # lifecycle ---------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
         previous = self.pools
+        policy_changed = config.routing != self.config.routing
         self.config = config
         self.pools = {p.name: PoolRuntime.from_config(p, previous.get(p.name)) for p in config.pools_by_size()}
         self.policies = {
-            name: self.policies.get(name) or build_policy(config.routing.policy) for name in self.pools
+            name: (None if policy_changed else self.policies.get(name))
+            or build_policy(config.routing.policy, prefix_index=self.prefix_index)
+            for name in self.pools
         }
         self._served = frozenset(config.served_model_ids())
+        self.sync_prefix_index()
+
+    def sync_prefix_index(self) -> None:
+        """Bound each replica's prefix index by its KV capacity; forget replicas that left the config."""
+        self.prefix_index.sync({r.url: r.kv_blocks for r in self.all_replicas()})
+
+    def apply_config(self, config: GatewayConfig) -> list[str]:
+        """Swap in a validated config. Kept endpoints keep their state; requests in flight on removed ones finish.
+        Returns notes about settings that only take effect on restart."""
+        old = self.config
+        notes = []
+        if config.server.host != old.server.host or config.server.port != old.server.port:
+            notes.append("server.host/port changes take effect on restart")
+        if config.state != old.state:
+            notes.append("`state` changes take effect on restart")
+        if config.classification.encoding != old.classification.encoding:
+            self.counter = TokenCounter(config.classification)
+        self._apply_config(config)
+        return notes
+
+    def telemetry_reload(self, ok: bool) -> None:
+        hook = getattr(self.telemetry, "config_reloaded", None)
+        if hook is not None:
+            hook(ok)
 
     async def start(self) -> None:
         server = self.config.server
@@ -82,7 +112,8 @@ class Gateway:
             ),
         )
         self.monitor = ReplicaMonitor(
-            self.session, self.all_replicas, server.health_interval_s, headers_for=self._probe_headers, clock=self.clock
+            self.session, self.all_replicas, server.health_interval_s, headers_for=self._probe_headers,
+            clock=self.clock, on_capacity=self.sync_prefix_index,
         )
         await self.monitor.poll_once()
         self.monitor.start()
@@ -334,22 +365,41 @@ def _usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def build_app(config: GatewayConfig) -> Starlette:
+def build_app(config: GatewayConfig, config_path: str | None = None) -> Starlette:
+    """The ASGI app; with `config_path` the file is watched and reloadable (SIGHUP, /admin/reload)."""
+    from gateway.admin import admin_routes
+    from gateway.reload import ConfigReloader
     from gateway.routes import routes
 
     gateway = Gateway(config)
+    reloader = ConfigReloader(gateway, config_path)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         await gateway.start()
+        if config_path and config.admin.watch_config:
+            reloader.start_watching()
+        if config_path:
+            _on_sighup(lambda: asyncio.ensure_future(reloader.reload("SIGHUP")))
         try:
             yield
         finally:
+            await reloader.stop()
             await gateway.stop()
 
-    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers=_exception_handlers())
+    app = Starlette(routes=[*routes(), *admin_routes()], lifespan=lifespan, exception_handlers=_exception_handlers())
     app.state.gateway = gateway
+    app.state.reloader = reloader
     return app
+
+
+def _on_sighup(callback: Any) -> None:
+    import signal
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, callback)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        pass
 
 
 def _exception_handlers() -> dict[Any, Any]:
@@ -368,16 +418,3 @@ def _exception_handlers() -> dict[Any, Any]:
         return error_response(500, "The gateway failed on this request; it has been logged.", "server_error")
 
     return {HTTPException: http_error, Exception: internal_error}
-
-
-def pool_summary(gateway: Gateway) -> Mapping[str, Any]:
-    now = gateway.clock()
-    return {
-        name: {
-            "max_model_len": pool.config.max_model_len,
-            "replicas": {
-                r.url: {"available": r.is_available(now), "in_flight": r.in_flight} for r in pool.replicas.values()
-            },
-        }
-        for name, pool in gateway.pools.items()
-    }

@@ -18,7 +18,9 @@ def serve(config_path: str, host: str | None = None, port: int | None = None) ->
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    app = build_app(config)
+    app = build_app(config, config_path)
+    if config.admin.api_key is None:
+        logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
     uvicorn.run(
         app,
         host=host or config.server.host,

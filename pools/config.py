@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from pools.discovery import DnsDiscovery
+from pools.launch import LaunchSpec
+
 Modality = Literal["text", "image", "video"]
 ThinkingMode = Literal["enabled", "adaptive", "disabled"]
 RoutingPolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
@@ -38,6 +41,10 @@ class PoolConfig(_Strict):
         default=None, gt=0, description="KV cache blocks per replica; read from vllm:cache_config_info when unset."
     )
     spill_upward: bool = Field(default=True, description="May overflow into the next larger pool when saturated.")
+    launch: LaunchSpec | None = Field(default=None, description="How the replicas are started (`m3gate pools render`).")
+    discovery: DnsDiscovery | None = Field(
+        default=None, description="Replicas from DNS (a Kubernetes headless Service) instead of, or besides, endpoints."
+    )
 
     @field_validator("endpoints")
     @classmethod
@@ -57,6 +64,12 @@ class PoolConfig(_Strict):
         if "text" not in modalities:
             raise ValueError("every pool accepts text; list 'text' in modalities")
         return modalities
+
+    @model_validator(mode="after")
+    def _launch_fits_pool(self) -> PoolConfig:
+        if self.launch is not None:
+            self.launch.check_pool(self)  # LaunchError is a ValueError: reported at the pool's line
+        return self
 
 
 class OutputBudgetConfig(_Strict):
@@ -96,7 +109,9 @@ class ClassificationConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    policy: RoutingPolicyName = "round_robin"
+    policy: RoutingPolicyName = Field(
+        default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
+    )
 
 
 class ServerConfig(_Strict):
@@ -106,6 +121,15 @@ class ServerConfig(_Strict):
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="Longest silence from a replica.")
     health_interval_s: float = Field(default=2.0, gt=0)
+
+
+class AdminConfig(_Strict):
+    """The operator API under /admin (pools, drain, reload, effective config)."""
+
+    api_key: SecretStr | None = Field(
+        default=None, description="Bearer key for /admin; without one the admin API answers only loopback clients."
+    )
+    watch_config: bool = Field(default=True, description="Reload the config file when it changes on disk.")
 
 
 class GatewayConfig(_Strict):
@@ -118,6 +142,7 @@ class GatewayConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     state: str | None = Field(default=None, description="redis://host:port/db to share routing state; memory if unset.")
+    admin: AdminConfig = Field(default_factory=AdminConfig)
 
     @model_validator(mode="after")
     def _pools_consistent(self) -> GatewayConfig:
@@ -173,6 +198,7 @@ ENV_OVERRIDES = {
     "M3GATE_HOST": ("server", "host"),
     "M3GATE_PORT": ("server", "port"),
     "M3GATE_STATE": ("state",),
+    "M3GATE_ADMIN_KEY": ("admin", "api_key"),
 }
 
 

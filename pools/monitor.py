@@ -68,7 +68,9 @@ class ReplicaMonitor:
         interval_s: float,
         headers_for: Callable[[Replica], dict[str, str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_capacity: Callable[[], None] | None = None,
     ) -> None:
+        self._on_capacity = on_capacity
         self._session = session
         self._replicas = replicas
         self._interval_s = interval_s
@@ -127,4 +129,6 @@ class ReplicaMonitor:
         replica.scraped = load
         replica.scraped_at = self._clock()
         if load.num_gpu_blocks and replica.kv_blocks is None:
-            replica.kv_blocks = load.num_gpu_blocks
+            replica.kv_blocks = load.num_gpu_blocks  # learnt once; the prefix index is re-bounded to it
+            if self._on_capacity is not None:
+                self._on_capacity()

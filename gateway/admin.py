@@ -1,0 +1,127 @@
+"""Operator API under /admin, guarded by its own key (constant-time compare); client keys never open it.
+
+Without `admin.api_key` configured it answers loopback clients only.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.app import Gateway
+from gateway.errors import error_response
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def _authorized(request: Request) -> Response | None:
+    gw: Gateway = request.app.state.gateway
+    key = gw.config.admin.api_key
+    if key is None:
+        host = request.client.host if request.client else ""
+        if host in LOOPBACK:
+            return None
+        return error_response(403, "The admin API is open to loopback clients only until admin.api_key is set.",
+                              "permission_error", code="admin_forbidden")
+    sent = request.headers.get("authorization", "")
+    token = sent[7:] if sent[:7].lower() == "bearer " else ""
+    if token and hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        return None
+    return error_response(401, "The admin API needs `Authorization: Bearer <admin key>`.", "authentication_error",
+                          code="invalid_admin_key")
+
+
+def replica_view(gw: Gateway) -> dict[str, Any]:
+    now = gw.clock()
+    pools: dict[str, Any] = {}
+    for name, pool in gw.pools.items():
+        replicas = {}
+        for snap, replica in zip(pool.snapshots(now), pool.replicas.values(), strict=True):
+            replicas[replica.url] = {
+                "available": replica.is_available(now),
+                "healthy": replica.healthy,
+                "draining": replica.draining,
+                "ejected_for_s": round(max(0.0, replica.ejected_until - now), 3),
+                "consecutive_failures": replica.consecutive_failures,
+                "in_flight": replica.in_flight,
+                "in_flight_tokens": replica.in_flight_tokens,
+                "requests_total": replica.requests_total,
+                "waiting": snap.waiting,
+                "running": snap.running,
+                "kv_usage": snap.kv_usage,
+                "metrics_age_s": None if snap.metrics_age_s is None else round(snap.metrics_age_s, 3),
+                "kv_blocks": replica.kv_blocks,
+                "prefill_s_per_token": replica.prefill_s_per_token,
+                "tpot_s": replica.tpot_s,
+            }
+        pools[name] = {"max_model_len": pool.config.max_model_len, "modalities": pool.config.modalities,
+                       "policy": gw.config.routing.policy, "replicas": replicas}
+    return pools
+
+
+async def pools(request: Request) -> Response:
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return JSONResponse({"pools": replica_view(request.app.state.gateway)})
+
+
+async def _set_draining(request: Request, draining: bool) -> Response:
+    if (denied := _authorized(request)) is not None:
+        return denied
+    gw: Gateway = request.app.state.gateway
+    try:
+        body = await request.json()
+        endpoint = body["endpoint"].rstrip("/")
+    except Exception:  # noqa: BLE001 - any malformed body is the caller's to fix
+        return error_response(400, 'Send {"endpoint": "<replica url>"}.', param="endpoint", code="invalid_body")
+    for pool in gw.pools.values():
+        replica = pool.replicas.get(endpoint)
+        if replica is not None:
+            replica.draining = draining
+            return JSONResponse({"endpoint": endpoint, "pool": pool.name, "draining": draining,
+                                 "in_flight": replica.in_flight})
+    return error_response(404, f"No replica {endpoint} in any pool.", "not_found_error", "endpoint", "unknown_endpoint")
+
+
+async def drain(request: Request) -> Response:
+    return await _set_draining(request, True)
+
+
+async def undrain(request: Request) -> Response:
+    return await _set_draining(request, False)
+
+
+async def reload(request: Request) -> Response:
+    if (denied := _authorized(request)) is not None:
+        return denied
+    status = await request.app.state.reloader.reload("admin API")
+    return JSONResponse(status.as_json(), status_code=200 if status.ok else 422)
+
+
+async def reload_status(request: Request) -> Response:
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return JSONResponse(request.app.state.reloader.status.as_json())
+
+
+async def effective_config(request: Request) -> Response:
+    """The config in force, secrets shown as ********** (pydantic SecretStr)."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    gw: Gateway = request.app.state.gateway
+    return JSONResponse(gw.config.model_dump(mode="json"))
+
+
+def admin_routes() -> list[Route]:
+    return [
+        Route("/admin/pools", pools, methods=["GET"]),
+        Route("/admin/replicas/drain", drain, methods=["POST"]),
+        Route("/admin/replicas/undrain", undrain, methods=["POST"]),
+        Route("/admin/reload", reload, methods=["POST"]),
+        Route("/admin/reload", reload_status, methods=["GET"]),
+        Route("/admin/config", effective_config, methods=["GET"]),
+    ]

@@ -1,0 +1,473 @@
+"""Replica choice inside one pool: filters → scorers (each 0..1, weighted) → picker, over a snapshot.
+
+Pure: no I/O, no clock reads (a monotonic `now` is passed in), no globals. The gateway owns one policy object per
+pool (`build_policy`) and, per request:
+
+1. builds a `RoutingRequest` (prompt tokens, output budget, `policies.prefix.prefix_blocks(...)`, session key) and a
+   list of `ReplicaSnapshot`s of the pool's replicas — with its own in-flight counts already including every request
+   dispatched so far, since bounded load and queue estimates depend on them;
+2. calls `choose(request, snapshots, now)`; on `NoReplicaAvailable` it spills to another pool or answers 503;
+3. calls `dispatched(request, url, now)` each time it really sends the request to a replica (the chosen one, and a
+   fallback on a retry before the first byte). That is when the prefix index learns that the replica now holds the
+   request's blocks (so the next request with the same prefix finds it even while this one is still prefilling) and
+   when the session remembers its replica. Nothing else writes to the index from this module;
+4. keeps the index's replicas in step with the pools: `prefix_index.sync({url: kv_blocks or None, ...})` after
+   discovery, a config reload or a scrape that learnt num_gpu_blocks (or remove_replica / resize one by one), and
+   `prefix_index.clear_replica(url)` when a replica restarts (its cache is empty).
+
+Build it as `build_policy("prefix_affinity", prefix_index=PrefixIndex())` (pools.prefix_index), one index per pool
+or one shared by all pools (URLs are distinct); without an index the policy still balances on predicted TTFT but
+never sees a cache hit.
+
+The prefix_affinity policy predicts each replica's time to first token (queue ahead + prefill of the part of the
+prompt it has not cached) and keeps peers' known failure modes out: a hot shared prefix cannot pile every session on
+one replica (bounded load: no replica above (1+ε)·mean + c), cold prefixes meet again through rendezvous hashing
+instead of going to "the least loaded at that instant", and saturated or stale replicas are avoided but still used
+when nothing else is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+import xxhash
+
+from policies.snapshot import NoReplicaAvailable, ReplicaSnapshot, RoutingDecision, RoutingRequest
+
+__all__ = [
+    "NoReplicaAvailable",
+    "ReplicaPolicy",
+    "ReplicaSnapshot",
+    "RoutingDecision",
+    "RoutingRequest",
+    "PolicyName",
+    "PrefixMatcher",
+    "ChoiceParams",
+    "Candidate",
+    "RoundRobin",
+    "LeastLoaded",
+    "PrefixAffinity",
+    "SCORERS",
+    "build_policy",
+    "routable",
+    "saturation",
+    "queue_estimate",
+    "predict_ttft",
+    "rendezvous_weight",
+    "score_ttft",
+    "score_kv_headroom",
+    "score_balance",
+]
+
+PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
+
+
+class ReplicaPolicy(Protocol):
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], now: float) -> RoutingDecision:
+        """Pick a replica; raise NoReplicaAvailable when every replica is filtered out."""
+        ...
+
+    def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
+        """Called by the gateway when the request is really sent to `replica` (after choose, and on each retry)."""
+        ...
+
+
+class PrefixMatcher(Protocol):
+    """What prefix_affinity needs from pools.prefix_index.PrefixIndex (in-memory reads and writes, no I/O)."""
+
+    def match_all(self, hashes: Sequence[int]) -> Mapping[str, int]: ...
+
+    def record(self, replica: str, hashes: Sequence[int], now: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceParams:
+    """Tunables of the filters, the TTFT model and the picker (defaults are starting points, see the loadtests)."""
+
+    stale_after_s: float = 10.0  # metrics older than this: the replica counts as saturated
+    kv_saturated: float = 0.98  # kv_cache_usage_perc at or above: saturated (preemptions are near)
+    max_waiting: float = 32.0  # num_requests_waiting above: saturated
+    chunk_tokens: int = 8192  # vLLM --max-num-batched-tokens: tokens one engine step can take
+    load_epsilon: float = 0.25  # bounded load: load + 1 ≤ (1 + ε)·mean + c ...
+    load_slack: float = 2.0  # ... with c = load_slack (in requests)
+    session_ttft_factor: float = 1.5  # a session keeps its replica while its TTFT ≤ factor·best + slack
+    session_slack_s: float = 0.05
+    near_best_factor: float = 1.1  # without any cache hit, replicas within factor·best + slack are equivalent
+    near_best_slack_s: float = 0.02
+    max_sessions: int = 100_000
+    session_ttl_s: float = 3600.0
+    weights: Mapping[str, float] = field(default_factory=lambda: {"ttft": 1.0, "kv_headroom": 0.1, "balance": 0.1})
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A replica that passed the hard filters, with what the policy estimated for this request.
+
+    Read-only by convention; not frozen because a frozen dataclass is 5x slower to build, on the hot path."""
+
+    url: str
+    replica: ReplicaSnapshot
+    saturated: bool
+    matched_blocks: int
+    uncached_tokens: int
+    predicted_ttft_s: float
+    load: float  # requests on it, for the bounded-load rule
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Filters
+
+
+def routable(replica: ReplicaSnapshot) -> bool:
+    """Hard filter: only healthy, non-draining replicas may take new work."""
+    return replica.healthy and not replica.draining
+
+
+def metrics_fresh(replica: ReplicaSnapshot, params: ChoiceParams) -> bool:
+    """Scraped numbers are usable: present and younger than stale_after_s."""
+    return replica.metrics_age_s is not None and replica.metrics_age_s <= params.stale_after_s
+
+
+def saturation(replica: ReplicaSnapshot, params: ChoiceParams) -> str | None:
+    """Soft filter: why a replica should not get new work if another can ("stale_metrics", "kv_full",
+    "queue_full"), or None. A replica never scraped is not saturated: nothing says it is loaded, and its in-flight
+    count still is."""
+    if replica.metrics_age_s is not None and replica.metrics_age_s > params.stale_after_s:
+        return "stale_metrics"
+    if replica.kv_usage is not None and replica.kv_usage >= params.kv_saturated:
+        return "kv_full"
+    if replica.waiting is not None and replica.waiting > params.max_waiting:
+        return "queue_full"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Estimates
+
+
+def queue_estimate(replica: ReplicaSnapshot, params: ChoiceParams) -> tuple[float, float]:
+    """(requests waiting ahead, requests decoding) on the replica.
+
+    Scrapes lag; the gateway's in-flight count does not. In-flight requests beyond what the replica reports running
+    must still be waiting (or were just sent), so waiting = max(scraped waiting, in_flight − running). Without fresh
+    metrics, assume everything in flight is running and nothing else is there.
+    """
+    running = replica.running
+    if running is None or not metrics_fresh(replica, params):
+        return 0.0, float(replica.in_flight)
+    waiting = replica.waiting or 0.0
+    beyond = replica.in_flight - running
+    return (beyond if beyond > waiting else waiting), (running if running > 0.0 else 0.0)
+
+
+def predict_ttft(
+    replica: ReplicaSnapshot,
+    uncached_tokens: int,
+    waiting: float,
+    running: float,
+    tokens_per_waiting: float,
+    chunk_tokens: int,
+) -> float:
+    """Seconds to first token: prefill of the queue ahead and of our uncached tokens, one engine step at a time.
+
+    Each chunked-prefill step takes up to chunk_tokens tokens, minus one decode token per running request, and the
+    steps also decode the running requests, which costs about one TPOT each.
+    """
+    work = waiting * tokens_per_waiting + (uncached_tokens if uncached_tokens > 1 else 1)
+    seconds = work * replica.prefill_s_per_token
+    if running > 0:
+        per_step = chunk_tokens - running
+        if per_step < chunk_tokens / 8:
+            per_step = chunk_tokens / 8
+        seconds += math.ceil(work / per_step) * replica.tpot_s
+    return seconds
+
+
+def load_of(replica: ReplicaSnapshot, params: ChoiceParams) -> float:
+    """Requests on the replica for the bounded-load rule: ours in flight, or what it reports when that is more."""
+    running = replica.running
+    if running is None or not metrics_fresh(replica, params):
+        return float(replica.in_flight)
+    reported = running + (replica.waiting or 0.0)
+    return reported if reported > replica.in_flight else float(replica.in_flight)
+
+
+def rendezvous_weight(key: int | str, url: str) -> int:
+    """Highest-random-weight hashing: each key ranks replicas the same way everywhere, and only the keys of a
+    removed replica move."""
+    return xxhash.xxh3_64_intdigest(f"{key}\x00{url}".encode())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scorers: candidates → one score in 0..1 each, higher is better.
+
+Scorer = Callable[[Sequence[Candidate]], list[float]]
+
+
+def score_ttft(candidates: Sequence[Candidate]) -> list[float]:
+    """best TTFT / this TTFT: 1 for the fastest, ½ for one twice as slow."""
+    best = min(c.predicted_ttft_s for c in candidates)
+    return [(best + 1e-3) / (c.predicted_ttft_s + 1e-3) for c in candidates]
+
+
+def score_kv_headroom(candidates: Sequence[Candidate]) -> list[float]:
+    """Free KV cache: a fuller replica is closer to evicting what it caches and to preempting. Unknown → ½."""
+    return [0.5 if c.replica.kv_usage is None else _clamp01(1.0 - c.replica.kv_usage) for c in candidates]
+
+
+def score_balance(candidates: Sequence[Candidate]) -> list[float]:
+    """Fewest tokens in flight from this gateway (fresh to the request, unlike scrapes): min / this."""
+    least = min(c.replica.in_flight_tokens for c in candidates)
+    return [(least + 1.0) / (c.replica.in_flight_tokens + 1.0) for c in candidates]
+
+
+def _clamp01(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+SCORERS: dict[str, Scorer] = {"ttft": score_ttft, "kv_headroom": score_kv_headroom, "balance": score_balance}
+
+
+def combine(candidates: Sequence[Candidate], weights: Mapping[str, float]) -> list[float]:
+    """Σ weight · clamp(score, 0, 1), as llm-d's scheduler profile does."""
+    totals = [0.0] * len(candidates)
+    for name, weight in weights.items():
+        if weight:
+            for i, score in enumerate(SCORERS[name](candidates)):
+                totals[i] += weight * (score if 0.0 <= score <= 1.0 else _clamp01(score))
+    return totals
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Policies
+
+
+def _routable_or_raise(replicas: Sequence[ReplicaSnapshot]) -> list[ReplicaSnapshot]:
+    ok = [r for r in replicas if routable(r)]
+    if not ok:
+        raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
+    return ok
+
+
+class RoundRobin:
+    """Each healthy replica in turn: the cache-blind baseline the other policies are compared against."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], now: float) -> RoutingDecision:
+        eligible = sorted(_routable_or_raise(replicas), key=lambda r: r.url)
+        start = self._turn % len(eligible)
+        self._turn += 1
+        ordered = eligible[start:] + eligible[:start]
+        return RoutingDecision(
+            replica=ordered[0].url,
+            fallbacks=tuple(r.url for r in ordered[1:]),
+            reason="round_robin",
+            predicted_ttft_s=None,
+            matched_blocks=0,
+            scores={},
+        )
+
+    def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
+        return None
+
+
+class LeastLoaded:
+    """Fewest tokens ahead: the gateway's in-flight tokens plus the requests the replica reports waiting.
+
+    Saturated replicas come last; equal loads rotate so that an idle pool is not served by its first replica only.
+    """
+
+    def __init__(self, params: ChoiceParams | None = None) -> None:
+        self.params = params or ChoiceParams()
+        self._turn = 0
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], now: float) -> RoutingDecision:
+        eligible = _routable_or_raise(replicas)
+        loads: dict[str, float] = {}
+        for r in eligible:
+            waiting, _running = queue_estimate(r, self.params)
+            per_request = r.in_flight_tokens / r.in_flight if r.in_flight else request.prompt_tokens
+            loads[r.url] = r.in_flight_tokens + waiting * per_request
+
+        def rank(r: ReplicaSnapshot) -> tuple[bool, float]:
+            return saturation(r, self.params) is not None, loads[r.url]
+
+        ordered = sorted(eligible, key=lambda r: (rank(r), r.url))
+        ties = [r for r in ordered if rank(r) == rank(ordered[0])]
+        if len(ties) > 1:
+            first = ties[self._turn % len(ties)]
+            ordered.remove(first)
+            ordered.insert(0, first)
+        self._turn += 1
+        top = max(loads.values()) or 1.0
+        return RoutingDecision(
+            replica=ordered[0].url,
+            fallbacks=tuple(r.url for r in ordered[1:]),
+            reason="least_loaded",
+            predicted_ttft_s=None,
+            matched_blocks=0,
+            scores={url: 1.0 - load / (top + 1.0) for url, load in loads.items()},
+        )
+
+    def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
+        return None
+
+
+class PrefixAffinity:
+    """Lowest predicted TTFT given what each replica has cached, under bounded load, with sticky sessions.
+
+    Reasons reported: "session" (kept its replica), "affinity_hit" (went where most of its prefix is cached),
+    "load_spill" (a replica with more of its prefix was passed over for load), "cold_rendezvous" (no replica holds
+    any of it: rendezvous on its first block among the least-loaded, so repeats of a new prefix meet),
+    "least_loaded" (prompt shorter than a block), "all_saturated" (every replica was saturated; the least bad won).
+    """
+
+    def __init__(self, prefix_index: PrefixMatcher | None = None, params: ChoiceParams | None = None) -> None:
+        self.prefix_index = prefix_index
+        self.params = params or ChoiceParams()
+        unknown = set(self.params.weights) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown scorer weights {sorted(unknown)}; known: {sorted(SCORERS)}")
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key → (replica url, last sent)
+        self._turn = 0
+
+    def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
+        """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
+        params = self.params
+        matches: Mapping[str, int] = {}
+        if self.prefix_index is not None and request.block_hashes:
+            matches = self.prefix_index.match_all(request.block_hashes)
+        out: list[Candidate] = []
+        prompt_tokens = request.prompt_tokens
+        chunk_tokens = params.chunk_tokens
+        for r in replicas:
+            if not r.healthy or r.draining:
+                continue
+            url = r.url
+            matched = matches.get(url, 0)
+            uncached = prompt_tokens - matched * r.block_size
+            waiting, running = queue_estimate(r, params)
+            per_waiting = r.in_flight_tokens / r.in_flight if r.in_flight else float(prompt_tokens)
+            ttft = predict_ttft(r, uncached, waiting, running, per_waiting, chunk_tokens)
+            saturated = saturation(r, params) is not None
+            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params)))
+        if not out:
+            raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
+        return out
+
+    def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], now: float) -> RoutingDecision:
+        params = self.params
+        everyone = self.candidates(request, replicas)
+        usable = [c for c in everyone if not c.saturated] or everyone
+        all_saturated = len(usable) == len(everyone) and everyone[0].saturated
+        scores = combine(usable, params.weights)
+        score_of = {c.url: s for c, s in zip(usable, scores, strict=True)}
+        ranked = sorted(usable, key=lambda c: (-score_of[c.url], c.url))
+        best_ttft = min(c.predicted_ttft_s for c in usable)
+        most_matched = max(c.matched_blocks for c in usable)
+
+        bound = self._load_bound(usable)
+        chosen, reason = self._sticky(request, usable, best_ttft, bound, now)
+        if chosen is None:
+            chosen, reason = self._preferred(request, ranked, best_ttft, most_matched)
+            if chosen.load + 1.0 > bound:
+                spill = next((c for c in ranked if c.load + 1.0 <= bound), None)
+                if spill is not None:
+                    chosen, reason = spill, "load_spill"
+        if all_saturated:
+            reason = "all_saturated"
+
+        rest = [c for c in ranked if c is not chosen]
+        if not all_saturated:  # saturated replicas are still worth a retry, last
+            rest += sorted((c for c in everyone if c.saturated), key=lambda c: c.predicted_ttft_s)
+        return RoutingDecision(
+            replica=chosen.url,
+            fallbacks=tuple(c.url for c in rest),
+            reason=reason,
+            predicted_ttft_s=chosen.predicted_ttft_s,
+            matched_blocks=chosen.matched_blocks,
+            scores=score_of,
+        )
+
+    def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
+        """The request went to `replica`: its blocks are there now, and its session follows it."""
+        if self.prefix_index is not None and request.block_hashes:
+            self.prefix_index.record(replica, request.block_hashes, now)
+        if request.session_key is not None:
+            sessions = self._sessions
+            sessions[request.session_key] = (replica, now)
+            sessions.move_to_end(request.session_key)
+            while len(sessions) > self.params.max_sessions:
+                sessions.popitem(last=False)
+
+    def session_replica(self, session_key: str) -> str | None:
+        """Where a session last went (admin API, tests)."""
+        entry = self._sessions.get(session_key)
+        return entry[0] if entry else None
+
+    # -- picker steps -------------------------------------------------------------------------------------------
+
+    def _sticky(
+        self, request: RoutingRequest, usable: Sequence[Candidate], best_ttft: float, bound: float, now: float
+    ) -> tuple[Candidate | None, str]:
+        """A session stays on its replica while that still pays (TTFT within session_ttft_factor of the best) and
+        the replica stays within the load bound (TTFT alone misses decode load when metrics are missing)."""
+        if request.session_key is None:
+            return None, ""
+        entry = self._sessions.get(request.session_key)
+        if entry is None or now - entry[1] > self.params.session_ttl_s:
+            return None, ""
+        previous = next((c for c in usable if c.url == entry[0]), None)
+        limit = best_ttft * self.params.session_ttft_factor + self.params.session_slack_s
+        if previous is None or previous.predicted_ttft_s > limit or previous.load + 1.0 > bound:
+            return None, ""
+        return previous, "session"
+
+    def _preferred(
+        self, request: RoutingRequest, ranked: Sequence[Candidate], best_ttft: float, most_matched: int
+    ) -> tuple[Candidate, str]:
+        """The best-scored replica, except that without any cache hit the near-best ones are interchangeable and
+        rendezvous hashing on the first block (or, with no block at all, rotation) chooses among them."""
+        if most_matched > 0:
+            top = ranked[0]
+            return top, "affinity_hit" if top.matched_blocks == most_matched else "load_spill"
+        limit = best_ttft * self.params.near_best_factor + self.params.near_best_slack_s
+        near = [c for c in ranked if c.predicted_ttft_s <= limit] or [ranked[0]]
+        if request.block_hashes:
+            key = request.block_hashes[0]
+            return max(near, key=lambda c: rendezvous_weight(key, c.url)), "cold_rendezvous"
+        turn = self._turn
+        self._turn += 1
+        return near[turn % len(near)], "least_loaded"
+
+    def _load_bound(self, usable: Sequence[Candidate]) -> float:
+        """Consistent hashing with bounded loads: after taking this request, no replica may carry more than
+        (1 + ε)·mean + c requests, the mean including this one."""
+        mean_after = (sum(c.load for c in usable) + 1.0) / len(usable)
+        return (1.0 + self.params.load_epsilon) * mean_after + self.params.load_slack
+
+
+def build_policy(name: PolicyName, **params: Any) -> ReplicaPolicy:
+    """The policy named in config (`routing.policy`).
+
+    prefix_affinity takes `prefix_index=` (a pools.prefix_index.PrefixIndex; without one it still balances on
+    predicted TTFT, just without cache hits); least_loaded and prefix_affinity take `params=ChoiceParams(...)` or
+    its fields as keywords (e.g. `load_epsilon=0.5`).
+    """
+    prefix_index = params.pop("prefix_index", None)
+    choice_params = params.pop("params", None)
+    if params:
+        choice_params = ChoiceParams(**params) if choice_params is None else replace(choice_params, **params)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded(choice_params)
+    if name == "prefix_affinity":
+        return PrefixAffinity(prefix_index=prefix_index, params=choice_params)
+    raise ValueError(f"unknown routing policy {name!r}")
