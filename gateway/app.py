@@ -38,6 +38,7 @@ from policies.tokens import TokenCounter
 from pools.config import GatewayConfig
 from pools.monitor import ReplicaMonitor
 from pools.prefix_index import PrefixIndex
+from pools.shared_state import SharedState, build_shared_state
 from pools.replicas import PoolRuntime, Replica
 
 log = logging.getLogger("m3gate")
@@ -62,6 +63,7 @@ class Gateway:
         self.monitor: ReplicaMonitor | None = None
         self._apply_config(config)
         self.telemetry = Telemetry(self)
+        self.shared: SharedState = build_shared_state(config.state, self._apply_remote_dispatch, self._local_in_flight)
 
     # lifecycle ---------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
@@ -117,8 +119,10 @@ class Gateway:
         )
         await self.monitor.poll_once()
         self.monitor.start()
+        await self.shared.start()
 
     async def stop(self) -> None:
+        await self.shared.stop()
         if self.monitor:
             await self.monitor.stop()
         if self.session:
@@ -127,6 +131,15 @@ class Gateway:
 
     def all_replicas(self) -> list[Replica]:
         return [r for pool in self.pools.values() for r in pool.replicas.values()]
+
+    def _apply_remote_dispatch(self, pool: str, replica: str, request: RoutingRequest) -> None:
+        """Another gateway sent `request` to `replica`: learn it as if this gateway had (prefix index, sessions)."""
+        policy = self.policies.get(pool)
+        if policy is not None and replica in self.pools[pool].replicas:
+            policy.dispatched(request, replica, self.clock())
+
+    def _local_in_flight(self) -> dict[str, int]:
+        return {r.url: r.in_flight for r in self.all_replicas()}
 
     def _probe_headers(self, replica: Replica) -> dict[str, str]:
         key = self.pools[replica.pool].config.api_key if replica.pool in self.pools else None
@@ -212,7 +225,7 @@ class Gateway:
         for pool_cfg in choice.candidates:
             pool = self.pools[pool_cfg.name]
             try:
-                decision = self.policies[pool.name].choose(routing, pool.snapshots(now), now)
+                decision = self.policies[pool.name].choose(routing, pool.snapshots(now, self.shared), now)
             except NoReplicaAvailable:
                 continue
             for url in (decision.replica, *decision.fallbacks):
@@ -257,6 +270,7 @@ class Gateway:
             guard = replica.guard(tokens)
             record.t_sent = self.clock()
             self.policies[pool.name].dispatched(routing, replica.url, record.t_sent)
+            self.shared.on_dispatch(pool.name, replica.url, routing)
             upstream: aiohttp.ClientResponse | None = None
             try:
                 disconnected, upstream = await call_or_disconnect(

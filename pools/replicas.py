@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from policies.snapshot import ReplicaSnapshot
 from pools.config import PoolConfig
+from pools.shared_state import SharedState
 
 EWMA_ALPHA = 0.2
 EJECT_BASE_S = 1.0
@@ -83,14 +84,15 @@ class Replica:
     def is_available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until
 
-    def snapshot(self, now: float) -> ReplicaSnapshot:
+    def snapshot(self, now: float, remote_in_flight: int = 0) -> ReplicaSnapshot:
+        """What policies see. `remote_in_flight` is other gateways' load on it (shared state)."""
         s = self.scraped
         return ReplicaSnapshot(
             url=self.url,
             pool=self.pool,
             healthy=self.healthy and now >= self.ejected_until,
             draining=self.draining,
-            in_flight=self.in_flight,
+            in_flight=self.in_flight + remote_in_flight,
             in_flight_tokens=self.in_flight_tokens,
             waiting=s.waiting if s else None,
             running=s.running if s else None,
@@ -153,8 +155,10 @@ class PoolRuntime:
     def name(self) -> str:
         return self.config.name
 
-    def snapshots(self, now: float) -> list[ReplicaSnapshot]:
-        return [r.snapshot(now) for r in self.replicas.values()]
+    def snapshots(self, now: float, shared: SharedState | None = None) -> list[ReplicaSnapshot]:
+        if shared is None:
+            return [r.snapshot(now) for r in self.replicas.values()]
+        return [r.snapshot(now, shared.remote_in_flight(r.url)) for r in self.replicas.values()]
 
     def available(self, now: float) -> bool:
         return any(r.is_available(now) for r in self.replicas.values())
