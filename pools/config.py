@@ -181,16 +181,18 @@ class _Located:
         node = self.node
         best = node.start_mark.line + 1 if node is not None else None
         for key in loc:
+            line_node: yaml.Node | None = None
             if isinstance(node, yaml.MappingNode):
-                nxt = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+                pair = next(((k, v) for k, v in node.value if getattr(k, "value", None) == key), None)
+                line_node, nxt = pair if pair else (None, None)  # a field's line is its key's line
             elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-                nxt = node.value[key]
+                line_node = nxt = node.value[key]
             else:
                 nxt = None
-            if nxt is None:
+            if nxt is None or line_node is None:
                 break
             node = nxt
-            best = node.start_mark.line + 1
+            best = line_node.start_mark.line + 1
         return best
 
 
