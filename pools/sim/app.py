@@ -1,0 +1,693 @@
+"""The simulated replica's HTTP surface: vLLM 0.32's routes, checks and errors, plus the `/sim/*` admin API.
+
+`SimApp` owns everything one replica has (tokenizer, engine, metrics, faults, counters) and is itself the ASGI
+callable, so several replicas can live in one process and nothing is global. Handlers validate and tokenize like
+vLLM's frontend, hand a `SimRequest` to the engine, and answer through `GenerationResponse`, which follows the
+engine token by token and aborts the request when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+import xxhash
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from pools.sim.behaviour import plan_output
+from pools.sim.engine import Engine, EngineBusy, SimRequest
+from pools.sim.faults import FaultUpdate, Faults
+from pools.sim.metrics import CONTENT_TYPE, SimMetrics
+from pools.sim.prefix_cache import block_hashes
+from pools.sim.protocol import (
+    JSON,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    MessagesRequest,
+    ResponsesRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    bad_request,
+    not_found_model,
+    parse_json,
+    unsupported_media_type,
+    validate,
+    vllm_validation_error,
+)
+from pools.sim.settings import VLLM_VERSION, SimSettings
+from pools.sim.shapes import (
+    ChatShape,
+    CompletionShape,
+    Generation,
+    MessagesShape,
+    ResponsesShape,
+    wait_finished,
+)
+from pools.sim.tokenizer import (
+    ChatFormatError,
+    IdTokens,
+    MediaItem,
+    Tokens,
+    load_tokenizer,
+    normalize_messages,
+    placeholder_text,
+)
+
+AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+class Hang(Exception):
+    """The `hang` fault: the request is accepted and will never be answered."""
+
+
+class DropConnection(Exception):
+    """Raised inside the ASGI call to make uvicorn close the TCP connection mid-response (fault injection)."""
+
+
+class QuietDrops(logging.Filter):
+    """Keeps uvicorn from logging a traceback for every deliberately cut connection."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], DropConnection))
+
+
+class ListenerControl(Protocol):
+    """Stops and restarts accepting TCP connections (the server layer implements it)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+@dataclass
+class HttpCounters:
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    bad_requests: int = 0
+    injected_errors: int = 0
+    dropped: int = 0
+    hung: int = 0
+
+
+@dataclass
+class Prompt:
+    tokens: Tokens
+    hashes: list[int]
+    fingerprint: int
+    text_prompt: bool = True  # False when the client sent token ids (exact over-length message)
+
+
+class SimApp:
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.tokenizer = load_tokenizer(settings.tokenizer_dir)
+        self.served_name = settings.model_names[0]
+        cache_labels = {
+            "block_size": str(settings.block_size), "cache_dtype": "auto", "calculate_kv_scales": "False",
+            "enable_prefix_caching": str(settings.enable_prefix_caching), "gpu_memory_utilization": "0.9",
+            "is_attention_free": "False", "num_cpu_blocks": "None", "num_gpu_blocks": str(settings.kv_blocks),
+            "num_gpu_blocks_override": "None", "prefix_caching_hash_algo": "sha256", "sliding_window": "None",
+            "swap_space": "4"}
+        self.metrics = SimMetrics(self.served_name, settings.max_model_len, cache_labels)
+        self.engine = Engine(num_blocks=settings.kv_blocks, block_size=settings.block_size,
+                             max_num_seqs=settings.max_num_seqs,
+                             max_num_batched_tokens=settings.max_num_batched_tokens, cost=settings.cost,
+                             metrics=self.metrics, enable_prefix_caching=settings.enable_prefix_caching,
+                             max_num_queued_reqs=settings.max_num_queued_reqs,
+                             max_num_queued_tokens=settings.max_num_queued_tokens)
+        self.faults = Faults(settings.faults, settings.seed)
+        self.http = HttpCounters()
+        self.listener: ListenerControl | None = None
+        self._resume_timer: asyncio.TimerHandle | None = None
+        self.started_at = int(time.time())
+        self.fingerprint = f"vllm-{VLLM_VERSION}-" + xxhash.xxh32_hexdigest(settings.model.encode())
+        self._router = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self._router.add_exception_handler(404, _not_found)
+        self._router.add_exception_handler(405, _method_not_allowed)
+
+    # ---- ASGI ------------------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if not path.startswith("/sim/"):
+                self.http.requests[path] += 1
+            key = self.settings.api_key
+            if key and path.startswith(AUTH_PREFIXES) and scope["method"] != "OPTIONS":
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if auth != b"Bearer " + key.encode():
+                    await Response(b'{"error":"Unauthorized"}', 401, media_type=JSON)(scope, receive, send)
+                    return
+        await self._router(scope, receive, send)
+
+    def _routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self._guarded(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
+            Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
+            Route("/v1/messages", self._guarded(self.messages), methods=["POST"]),
+            Route("/v1/models", self._guarded(self.models), methods=["GET"]),
+            Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/load", self.load, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/sim/faults", self.faults_route, methods=["GET", "POST"]),
+            Route("/sim/stats", self.stats_route, methods=["GET"]),
+            Route("/sim/reset", self.reset_route, methods=["POST"]),
+        ]
+
+    def _guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Hang:
+                return HangResponse()
+            except ApiError as exc:
+                if exc.status < 500:
+                    self.http.bad_requests += 1
+                if request.url.path == "/v1/messages":
+                    return _anthropic_error(exc)
+                return exc.response()
+
+        return run
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine.start()
+        try:
+            yield
+        finally:
+            await self.engine.stop()
+
+    # ---- shared request handling -----------------------------------------------------------------------------
+
+    async def _json(self, request: Request) -> Any:
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != JSON:
+            raise unsupported_media_type()
+        return parse_json(await request.body())
+
+    def _check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.served_name
+        if name not in self.settings.model_names:
+            raise not_found_model(name, self.settings.model_names)
+        return name
+
+    def _check_media(self, media: list[MediaItem]) -> None:
+        if not media:
+            return
+        if not self.settings.multimodal:
+            raise bad_request(f"{self.settings.model} is not a multimodal model")
+        for kind in ("image", "video", "audio"):
+            count = sum(1 for m in media if m.kind == kind)
+            if count and kind not in self.settings.modalities:
+                raise bad_request(f"At most 0 {kind}(s) may be provided in one prompt.")
+
+    def _media_tokens(self, kind: str) -> int:
+        return self.settings.video_tokens if kind == "video" else self.settings.image_tokens
+
+    async def _prepare(self, text: str, *, add_special_tokens: bool, salt: str | None) -> Prompt:
+        def work() -> Prompt:
+            tokens = self.tokenizer.encode(text, add_special_tokens)
+            return Prompt(tokens, block_hashes(tokens, self.settings.block_size, salt),
+                          xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass")))
+
+        if self.tokenizer.expensive(text):
+            return await asyncio.to_thread(work)
+        return work()
+
+    def _prepare_ids(self, ids: list[int], salt: str | None) -> Prompt:
+        tokens = IdTokens(ids)
+        return Prompt(tokens, block_hashes(tokens, self.settings.block_size, salt),
+                      xxhash.xxh3_64_intdigest(tokens.span_bytes(0, len(ids))), text_prompt=False)
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     add_generation_prompt: bool, continue_final_message: bool,
+                     template_kwargs: dict[str, Any]) -> str:
+        openai_parts = getattr(self.tokenizer, "openai_content_format", False)
+        try:
+            chat = normalize_messages(messages, openai_parts=openai_parts,
+                                      placeholder=lambda m: placeholder_text(m, self._media_tokens(m.kind)))
+        except ChatFormatError as exc:
+            raise bad_request(str(exc)) from None
+        self._check_media(chat.media)
+        try:
+            return self.tokenizer.render_chat(chat.messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              template_kwargs=template_kwargs)
+        except ChatFormatError as exc:
+            raise bad_request(str(exc)) from None
+
+    def _check_prompt(self, prompt: Prompt) -> int:
+        n = prompt.tokens.count
+        limit = self.settings.max_model_len
+        if n == 0:
+            raise bad_request("The decoder prompt cannot be empty")
+        if n > limit:
+            shown = n if not prompt.text_prompt else limit + 1
+            prefix = "" if not prompt.text_prompt else "at least "
+            raise vllm_validation_error(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains {prefix}"
+                f"{shown} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                f"length of the input prompt.", "input_tokens", shown)
+        if n == limit:
+            raise bad_request(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
+                f"than the maximum model length of {limit}. Make sure that `max_model_len` is no smaller than the "
+                f"number of text tokens (prompt + requested output tokens).")
+        return n
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, field_name: str) -> int:
+        """vLLM's get_max_tokens: a request may not ask for more than max_model_len, and is clamped to what fits."""
+        limit = self.settings.max_model_len
+        if requested is not None:
+            if requested < 1:
+                raise bad_request(f"{field_name} must be at least 1, got {requested}.", field_name)
+            if requested > limit:
+                raise vllm_validation_error(f"{field_name}={requested} cannot be greater than max_model_len={limit}. "
+                                            f"Please request fewer output tokens.", field_name, requested)
+            return min(requested, limit - prompt_len)
+        return limit - prompt_len
+
+    async def _pre_generate(self) -> None:
+        """Faults that strike before any work: added latency, hangs, injected 500s."""
+        faults = self.faults.current
+        if faults.added_latency_ms > 0:
+            await asyncio.sleep(faults.added_latency_ms / 1000)
+        if faults.hang:
+            self.http.hung += 1
+            raise Hang()
+        if self.faults.should_error():
+            self.http.injected_errors += 1
+            raise ApiError(500, "Internal server error: the engine failed while processing the request (simulated "
+                                "fault).", "InternalServerError")
+
+    def _response_id(self, request: Request, body_id: str | None, prefix: str) -> str:
+        return prefix + (request.headers.get("x-request-id") or body_id or uuid.uuid4().hex)
+
+    def _admit(self, *, request_id: str, prompt: Prompt, max_tokens: int, plan_kwargs: dict[str, Any],
+               arrival: float) -> tuple[SimRequest, Any]:
+        s = self.settings
+        plan = plan_output(seed=s.seed, fingerprint=prompt.fingerprint, max_tokens=max_tokens,
+                           mean_output_tokens=s.mean_output_tokens, tool_call_probability=s.tool_call_probability,
+                           adaptive_thinking_probability=s.adaptive_thinking_probability, **plan_kwargs)
+        sim = SimRequest(request_id=request_id, prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
+                         output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
+                         arrival=arrival)
+        try:
+            self.engine.submit(sim)
+        except EngineBusy as exc:
+            raise ApiError(503, str(exc), "Service Unavailable") from None
+        return sim, plan
+
+    def _generation(self, *, arrival: float, response_id: str, model: str, prompt: Prompt, max_tokens: int,
+                    stream: bool, plan_kwargs: dict[str, Any], **fields: Any) -> Generation:
+        sim, plan = self._admit(request_id=response_id, prompt=prompt, max_tokens=max_tokens, plan_kwargs=plan_kwargs,
+                                arrival=arrival)
+        return Generation(response_id=response_id, created=int(time.time()), model=model, sim=sim, plan=plan,
+                          system_fingerprint=self.fingerprint, stream=stream, **fields)
+
+    def _respond(self, gen: Generation, shape: Any) -> Response:
+        drop_after = 2 + (gen.sim.prompt_tokens % 3) if self.faults.should_drop() else None
+        return GenerationResponse(self, gen, shape, drop_after)
+
+    # ---- generate routes -------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
+        body = await self._json(request)
+        await self._pre_generate()
+        req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        model = self._check_model(req.model)
+        if req.n is not None and req.n > 1:
+            raise bad_request("The simulator serves n=1 only.", "n")
+        kwargs = dict(req.chat_template_kwargs or {})
+        text = self._render_chat(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+                                 kwargs)
+        prompt = await self._prepare(text, add_special_tokens=False, salt=req.cache_salt)
+        n = self._check_prompt(prompt)
+        use_mct = req.max_completion_tokens is not None
+        max_tokens = self._max_tokens(n, req.max_completion_tokens if use_mct else req.max_tokens,
+                                      "max_completion_tokens" if use_mct else "max_tokens")
+        tools = req.tools if req.tool_choice != "none" else None
+        gen = self._generation(
+            arrival=arrival, response_id=self._response_id(request, req.request_id, "chatcmpl-"), model=model, prompt=prompt,
+            max_tokens=max_tokens, stream=bool(req.stream),
+            plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
+                         "tool_choice": req.tool_choice, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
+            include_reasoning=req.include_reasoning, include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage)
+        return self._respond(gen, ChatShape)
+
+    async def completions(self, request: Request) -> Response:
+        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
+        body = await self._json(request)
+        await self._pre_generate()
+        req: CompletionRequest = validate(CompletionRequest, body)
+        model = self._check_model(req.model)
+        if req.n is not None and req.n > 1:
+            raise bad_request("The simulator serves n=1 only.", "n")
+        if req.stream and req.use_beam_search:
+            raise bad_request("Streaming is not currently supported with beam search")
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request("The simulator serves one prompt per request.", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            prompt = await self._prepare(p, add_special_tokens=True, salt=req.cache_salt)
+        else:
+            prompt = self._prepare_ids(list(p), req.cache_salt)
+        n = self._check_prompt(prompt)
+        max_tokens = self._max_tokens(n, req.max_tokens, "max_tokens")
+        gen = self._generation(
+            arrival=arrival, response_id=self._response_id(request, req.request_id, "cmpl-"), model=model, prompt=prompt,
+            max_tokens=max_tokens, stream=bool(req.stream),
+            plan_kwargs={"chat": False, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
+            include_usage=req.include_usage, continuous_usage=req.continuous_usage)
+        return self._respond(gen, CompletionShape)
+
+    async def responses(self, request: Request) -> Response:
+        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
+        body = await self._json(request)
+        await self._pre_generate()
+        req: ResponsesRequest = validate(ResponsesRequest, body)
+        model = self._check_model(req.model)
+        messages = _responses_to_messages(req)
+        tools = [_responses_tool(t) for t in req.tools or [] if t.get("type", "function") == "function"] or None
+        extra = req.model_extra or {}
+        kwargs = dict(extra.get("chat_template_kwargs") or {})
+        text = self._render_chat(messages, tools, True, False, kwargs)
+        prompt = await self._prepare(text, add_special_tokens=False, salt=extra.get("cache_salt"))
+        n = self._check_prompt(prompt)
+        max_tokens = self._max_tokens(n, req.max_output_tokens, "max_output_tokens")
+        gen = self._generation(
+            arrival=arrival, response_id=self._response_id(request, req.request_id, "resp_"), model=model, prompt=prompt,
+            max_tokens=max_tokens, stream=bool(req.stream),
+            plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
+                         "tool_choice": req.tool_choice},
+            echo={"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                  "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice,
+                  "tools": req.tools})
+        return self._respond(gen, ResponsesShape)
+
+    async def messages(self, request: Request) -> Response:
+        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
+        body = await self._json(request)
+        await self._pre_generate()
+        req: MessagesRequest = validate(MessagesRequest, body)
+        model = self._check_model(req.model)
+        messages = _anthropic_to_messages(req)
+        tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                   "parameters": t.get("input_schema") or {}}}
+                 for t in req.tools or []] or None
+        choice = req.tool_choice or {}
+        tool_choice: Any = {"any": "required", "none": "none"}.get(choice.get("type", "auto"), "auto")
+        if choice.get("type") == "tool":
+            tool_choice = {"type": "function", "function": {"name": choice.get("name")}}
+        thinking = (req.thinking or {}).get("type")
+        mode = {"enabled": "enabled", "disabled": "disabled"}.get(thinking or "", None)
+        text = self._render_chat(messages, tools, True, False, {"thinking_mode": mode} if mode else {})
+        prompt = await self._prepare(text, add_special_tokens=False, salt=None)
+        n = self._check_prompt(prompt)
+        max_tokens = self._max_tokens(n, req.max_tokens, "max_tokens")
+        gen = self._generation(
+            arrival=arrival, response_id="msg_" + (request.headers.get("x-request-id") or uuid.uuid4().hex[:24]),
+            model=model, prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream),
+            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice})
+        return self._respond(gen, MessagesShape)
+
+    # ---- other vLLM routes -----------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        cards = []
+        for name in self.settings.model_names:
+            cards.append({
+                "id": name, "object": "model", "created": self.started_at, "owned_by": "vllm",
+                "root": self.settings.model, "parent": None, "max_model_len": self.settings.max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                "created": self.started_at, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]})
+        return Response(orjson.dumps({"object": "list", "data": cards}), media_type=JSON)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        if isinstance(body, dict) and "messages" in body:
+            chat: TokenizeChatRequest = validate(TokenizeChatRequest, body)
+            self._check_model(chat.model)
+            text = self._render_chat(chat.messages, chat.tools, chat.add_generation_prompt,
+                                     chat.continue_final_message, dict(chat.chat_template_kwargs or {}))
+            add_special, want_strs = chat.add_special_tokens, chat.return_token_strs
+        else:
+            plain: TokenizeCompletionRequest = validate(TokenizeCompletionRequest, body)
+            self._check_model(plain.model)
+            text, add_special, want_strs = plain.prompt, plain.add_special_tokens, plain.return_token_strs
+        if self.tokenizer.expensive(text):
+            tokens = await asyncio.to_thread(self.tokenizer.encode, text, add_special)
+        else:
+            tokens = self.tokenizer.encode(text, add_special)
+        return Response(orjson.dumps({"count": tokens.count, "max_model_len": self.settings.max_model_len,
+                                      "tokens": tokens.ids(), "token_strs": tokens.token_strs() if want_strs else None}),
+                        media_type=JSON)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=503 if self.faults.current.unhealthy else 200)
+
+    async def version(self, request: Request) -> Response:
+        return Response(orjson.dumps({"version": VLLM_VERSION}), media_type=JSON)
+
+    async def load(self, request: Request) -> Response:
+        return Response(b'{"server_load":0}', media_type=JSON)
+
+    async def metrics_route(self, request: Request) -> Response:
+        e = self.engine
+        return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage), media_type=CONTENT_TYPE)
+
+    # ---- /sim admin ------------------------------------------------------------------------------------------
+
+    async def faults_route(self, request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                patch: FaultUpdate = validate(FaultUpdate, parse_json(await request.body()))
+            except ApiError as exc:
+                return exc.response()
+            before = self.faults.current
+            after = self.faults.update(patch)
+            self._apply_listener(before.refuse_connections, after)
+        return Response(orjson.dumps(self.faults.as_json()), media_type=JSON)
+
+    def apply_start_faults(self) -> None:
+        """Called by the server once it listens, so faults given as flags take effect like run-time ones."""
+        self._apply_listener(False, self.faults.current)
+
+    def _apply_listener(self, was_refusing: bool, now: Any) -> None:
+        if self._resume_timer is not None:
+            self._resume_timer.cancel()
+            self._resume_timer = None
+        if self.listener is None:
+            return
+        if now.refuse_connections and not was_refusing:
+            self.listener.pause()
+        elif not now.refuse_connections and was_refusing:
+            self.listener.resume()
+        if now.refuse_connections and now.refuse_for_s:
+            self._resume_timer = asyncio.get_running_loop().call_later(now.refuse_for_s, self._end_refusal)
+
+    def _end_refusal(self) -> None:
+        self._resume_timer = None
+        self.faults.update(FaultUpdate(refuse_connections=False))
+        if self.listener is not None:
+            self.listener.resume()
+
+    async def stats_route(self, request: Request) -> Response:
+        return Response(orjson.dumps(self.stats()), media_type=JSON)
+
+    def stats(self) -> dict[str, Any]:
+        e, c, h = self.engine, self.engine.counters, self.http
+        return {"requests": dict(h.requests), "completed": c.completed, "aborted": c.aborted,
+                "rejected": c.rejected, "bad_requests": h.bad_requests, "injected_errors": h.injected_errors,
+                "dropped": h.dropped, "hung": h.hung, "tokens_in": c.prompt_tokens, "tokens_out": c.generation_tokens,
+                "cached_tokens": c.cached_tokens, "preemptions": c.preemptions, "steps": c.steps,
+                "running": len(e.running), "waiting": len(e.waiting), "kv_usage": e.kv.usage,
+                "kv_free_blocks": e.kv.num_free, "prefix_cached_blocks": len(e.prefix_cache or ()),
+                "faults": self.faults.as_json()}
+
+    async def reset_route(self, request: Request) -> Response:
+        self.engine.reset()
+        self.http = HttpCounters()
+        return Response(orjson.dumps(self.stats()), media_type=JSON)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GenerationResponse(Response):
+    """Streams or returns one generation; aborts it in the engine when the client disconnects."""
+
+    def __init__(self, app: SimApp, gen: Generation, shape: Any, drop_after: int | None) -> None:
+        self.app = app
+        self.gen = gen
+        self.shape = shape
+        self.drop_after = drop_after
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine, sim = self.app.engine, self.gen.sim
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            engine.abort(sim)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            if self.gen.stream:
+                await self._stream(send)
+            else:
+                await self._unary(send)
+        finally:
+            watcher.cancel()
+            engine.abort(sim)
+
+    def _drop(self) -> DropConnection:
+        self.app.http.dropped += 1
+        return DropConnection()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        sent = 0
+        async for chunk in self.shape.events(self.gen):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent += 1
+            if self.drop_after is not None and sent >= self.drop_after:
+                raise self._drop()
+        if self.gen.aborted:
+            raise DropConnection()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _unary(self, send: Send) -> None:
+        await wait_finished(self.gen.sim)
+        if self.gen.aborted:
+            raise DropConnection()
+        body = self.shape.body(self.gen)
+        headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.drop_after is not None:
+            await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+            raise self._drop()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class HangResponse(Response):
+    """Never answers; when the client gives up, the connection is closed without a response."""
+
+    def __init__(self) -> None:
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        raise DropConnection()
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return Response(b'{"detail":"Not Found"}', 404, media_type=JSON)
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return Response(b'{"detail":"Method Not Allowed"}', 405, media_type=JSON)
+
+
+def _anthropic_error(exc: ApiError) -> Response:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            503: "overloaded_error"}.get(exc.status, "api_error")
+    return Response(orjson.dumps({"type": "error", "error": {"type": kind, "message": exc.message}}),
+                    status_code=exc.status, media_type=JSON)
+
+
+def _responses_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    if "function" in tool:
+        return tool
+    return {"type": "function", "function": {"name": tool.get("name"), "description": tool.get("description"),
+                                             "parameters": tool.get("parameters") or {}}}
+
+
+def _responses_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    for item in req.input:
+        kind = item.get("type", "message")
+        if kind == "message" or "role" in item:
+            messages.append({"role": item.get("role", "user"), "content": item.get("content", "")})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output", "")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise bad_request(f"Unsupported input item type: {kind}")
+    return messages
+
+
+def _anthropic_to_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else "\n".join(
+            b.get("text", "") for b in req.system if isinstance(b, dict))
+        messages.append({"role": "system", "content": system})
+    for msg in req.messages:
+        content = msg.get("content")
+        if not isinstance(content, list):
+            messages.append({"role": msg.get("role", "user"), "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        for block in content:
+            kind = block.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": block.get("text", "")})
+            elif kind == "image":
+                source = block.get("source") or {}
+                parts.append({"type": "image_url", "image_url": {"url": source.get("url") or source.get("data", "")}})
+            elif kind == "tool_use":
+                calls.append({"id": block.get("id"), "type": "function", "function": {
+                    "name": block.get("name"), "arguments": orjson.dumps(block.get("input", {})).decode()}})
+            elif kind == "tool_result":
+                result = block.get("content")
+                if isinstance(result, list):
+                    result = "\n".join(b.get("text", "") for b in result if isinstance(b, dict))
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
+        if parts or calls:
+            entry: dict[str, Any] = {"role": msg.get("role", "user"), "content": parts or None}
+            if calls:
+                entry["tool_calls"] = calls
+            messages.append(entry)
+    return messages
+

@@ -1,0 +1,169 @@
+"""What the simulated MiniMax-M3 "says": deterministic output plans and the text of each generated token.
+
+An `OutputPlan` fixes, before generation starts, how many tokens go to reasoning, content or a tool call, and why
+generation ends. It depends only on the replica's seed, the prompt's content and the request's parameters, so a test
+can rely on the same request getting the same shape of answer.
+
+MiniMax-M3 facts imitated (contract §8): `chat_template_kwargs.thinking_mode` "enabled" starts inside reasoning,
+"disabled" never reasons, "adaptive"/unset reasons on some prompts; tool calls are written in the native
+`]<]minimax[>[<tool_call>…` syntax (their tokens count as output), streamed as a name delta then the arguments once
+per invoke; finish_reason becomes "tool_calls" unless tool_choice named a function.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_TAG = "]<]minimax[>["
+
+CONTENT_WORDS = ("The", " replica", " answers", " with", " simulated", " tokens", " that", " carry", " no", " meaning",
+                 ",", " but", " their", " count", " timing", " and", " shape", " follow", " the", " real", " server",
+                 ".", " Each", " word", " stands", " for", " one", " token", " of", " output", " here", " so")
+REASONING_WORDS = ("Let", " me", " think", " about", " this", " request", " step", " by", " step", ":", " first",
+                   " consider", " the", " question", ",", " then", " check", " each", " case", " and", " decide",
+                   ".", " Hmm", " maybe", " there", " is", " a", " simpler", " way", " to", " see", " it")
+
+
+@dataclass(frozen=True)
+class ToolCallPlan:
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as it appears in tool_calls[].function.arguments
+    tokens: int  # output tokens the native tool-call markup takes
+
+    @property
+    def header_at(self) -> int:
+        """Tool-token index at which the parser has seen `<invoke name="…">` and streams the name."""
+        return min(3, self.tokens - 1)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    reasoning_tokens: int
+    content_tokens: int
+    tool_call: ToolCallPlan | None
+    finish_reason: str  # when every planned token is out: "stop" | "length" | "tool_calls"
+    word_offset: int  # where in the word lists this answer starts (varies the text between prompts)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.reasoning_tokens + self.content_tokens + (self.tool_call.tokens if self.tool_call else 0)
+
+    @property
+    def engine_finish(self) -> str:
+        """The engine's finish reason (vLLM's: the tool-call rewrite happens in the API layer)."""
+        return "length" if self.finish_reason == "length" else "stop"
+
+    def piece(self, index: int) -> tuple[str, str]:
+        """(kind, text) of output token `index`: kind is "reasoning", "content" or "tool"."""
+        if index < self.reasoning_tokens:
+            return "reasoning", REASONING_WORDS[(self.word_offset + index) % len(REASONING_WORDS)]
+        index -= self.reasoning_tokens
+        if index < self.content_tokens:
+            return "content", CONTENT_WORDS[(self.word_offset + index) % len(CONTENT_WORDS)]
+        return "tool", ""
+
+    def text(self, kind: str, upto: int | None = None) -> str:
+        """All reasoning or content text of the first `upto` tokens (all when None)."""
+        end = self.total_tokens if upto is None else upto
+        return "".join(t for k, t in (self.piece(i) for i in range(end)) if k == kind)
+
+
+def _value_for(schema: dict[str, Any], rng: random.Random) -> Any:
+    if not isinstance(schema, dict):
+        return "value"
+    if schema.get("enum"):
+        return rng.choice(list(schema["enum"]))
+    kind = schema.get("type", "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    if kind == "integer":
+        return rng.randint(1, 100)
+    if kind == "number":
+        return round(rng.uniform(0, 100), 2)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [_value_for(schema.get("items", {}), rng)]
+    if kind == "object":
+        return _arguments_for(schema, rng)
+    return rng.choice(("Paris", "example", "simulated value", "42 Main Street", "MiniMax"))
+
+
+def _arguments_for(schema: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    props = schema.get("properties") or {}
+    required = schema.get("required") or list(props)
+    return {name: _value_for(props.get(name, {}), rng) for name in required}
+
+
+def native_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The M3 native markup the model would emit (its length sets the tool call's token count)."""
+    args = "".join(f"{TOOL_TAG}<{k}>{v if isinstance(v, str) else json.dumps(v)}{TOOL_TAG}</{k}>"
+                   for k, v in arguments.items())
+    return (f'{TOOL_TAG}<tool_call>{TOOL_TAG}<invoke name="{name}">{args}{TOOL_TAG}</invoke>'
+            f"{TOOL_TAG}</tool_call>")
+
+
+def _tool_name(tool: dict[str, Any]) -> str:
+    fn = tool.get("function", tool)
+    return str(fn.get("name", "tool"))
+
+
+def _tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    schema = fn.get("parameters") or fn.get("input_schema") or {}
+    return schema if isinstance(schema, dict) else {}
+
+
+def named_tool(tool_choice: Any) -> str | None:
+    """The function name when tool_choice forces one ({"type":"function","function":{"name":…}} or {"name":…})."""
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        if isinstance(fn, dict) and fn.get("name"):
+            return str(fn["name"])
+        if tool_choice.get("name"):
+            return str(tool_choice["name"])
+    return None
+
+
+def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thinking_mode: str | None = None,
+                tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, ignore_eos: bool = False,
+                min_tokens: int = 0, mean_output_tokens: int = 256, tool_call_probability: float = 0.5,
+                adaptive_thinking_probability: float = 0.5) -> OutputPlan:
+    """Decide the answer's shape. `fingerprint` identifies the prompt (equal prompts → equal plans)."""
+    rng = random.Random((seed << 64) ^ fingerprint)
+    max_tokens = max(1, max_tokens)
+    if ignore_eos or mean_output_tokens <= 0:
+        natural = max_tokens
+    else:
+        natural = max(1, min_tokens, round(mean_output_tokens * rng.uniform(0.5, 1.5)))
+    length = min(natural, max_tokens)
+    finish = "stop" if natural < max_tokens else "length"
+    offset = rng.randrange(1 << 16)
+
+    thinking = chat and (thinking_mode == "enabled" or (
+        thinking_mode != "disabled" and rng.random() < adaptive_thinking_probability))
+
+    forced = named_tool(tool_choice)
+    wants_tool = bool(tools) and tool_choice != "none" and (
+        tool_choice == "required" or forced is not None or rng.random() < tool_call_probability)
+    if chat and wants_tool and tools:
+        tool = next((t for t in tools if _tool_name(t) == forced), None) if forced else rng.choice(tools)
+        if tool is not None:
+            arguments = _arguments_for(_tool_schema(tool), rng)
+            tokens = max(2, -(-len(native_tool_call(_tool_name(tool), arguments).encode()) // 4))
+            reasoning = min(rng.randint(8, 64), max_tokens - tokens) if thinking else 0
+            if reasoning >= 0 and tokens + reasoning <= max_tokens:
+                call = ToolCallPlan(f"chatcmpl-tool-{uuid.uuid4().hex}", _tool_name(tool),
+                                    json.dumps(arguments, ensure_ascii=False), tokens)
+                return OutputPlan(reasoning, 0, call, "stop" if forced else "tool_calls", offset)
+
+    if thinking:
+        reasoning = length if length < 2 else min(length - 1, max(1, round(length * rng.uniform(0.2, 0.6))))
+    else:
+        reasoning = 0
+    return OutputPlan(reasoning, length - reasoning, None, finish, offset)

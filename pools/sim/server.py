@@ -1,0 +1,98 @@
+"""Runs a `SimApp` under uvicorn (uvloop + httptools, like vLLM's own server) on a socket it can close and reopen.
+
+The socket is ours rather than uvicorn's so that `--port 0` can report the port it got (no race between test
+processes picking "free" ports) and so the `refuse_connections` fault can really stop listening: clients then get
+ECONNREFUSED, exactly as from a replica that died, while connections already open keep being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+import sys
+
+import uvicorn
+
+from pools.sim.app import QuietDrops, SimApp
+from pools.sim.settings import SimSettings
+
+READY_PREFIX = "m3gate-sim listening on "
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class SocketListener:
+    """pause(): stop accepting (close the listening socket); resume(): listen again on the same port."""
+
+    def __init__(self, server: uvicorn.Server, host: str, port: int) -> None:
+        self._server = server
+        self._host = host
+        self._port = port
+        self._paused = False
+
+    def pause(self) -> None:
+        if self._paused:
+            return
+        self._paused = True
+        for srv in self._server.servers:
+            srv.close()
+
+    def resume(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        sock = bind_socket(self._host, self._port)  # listening now: connections queue until accepted
+        config = self._server.config
+        create_protocol = functools.partial(config.http_protocol_class, config=config,
+                                            server_state=self._server.server_state,
+                                            app_state=self._server.lifespan.state)
+        loop = asyncio.get_running_loop()
+
+        async def reopen() -> None:
+            srv = await loop.create_server(create_protocol, sock=sock, backlog=config.backlog)
+            self._server.servers.append(srv)
+
+        loop.create_task(reopen())
+
+
+def serve(settings: SimSettings) -> int:
+    """Run until SIGTERM/SIGINT. Prints one line `m3gate-sim listening on http://HOST:PORT` once it accepts."""
+    logging.getLogger("uvicorn.error").addFilter(QuietDrops())
+    app = SimApp(settings)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"m3gate sim: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=1, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.005)
+        if server.started:
+            app.listener = SocketListener(server, settings.host, port)
+            app.apply_start_faults()
+            host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the ready line is all stdout carries
+        await task
+
+    import uvloop
+
+    uvloop.run(main())
+    return 0 if server.started else 1
