@@ -44,7 +44,7 @@ from pools.replicas import PoolRuntime, Replica
 log = logging.getLogger("m3gate")
 
 # Requests whose body is larger than this are classified in a worker thread, off the event loop.
-CLASSIFY_IN_THREAD_BYTES = 256 * 1024
+CLASSIFY_IN_THREAD_BYTES = 64 * 1024
 MAX_ATTEMPTS = 2
 
 
@@ -63,7 +63,9 @@ class Gateway:
         self.monitor: ReplicaMonitor | None = None
         self._apply_config(config)
         self.telemetry = Telemetry(self)
-        self.shared: SharedState = build_shared_state(config.state, self._apply_remote_dispatch, self._local_in_flight)
+        self.shared: SharedState = build_shared_state(
+            config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model
+        )
 
     # lifecycle ---------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
@@ -284,6 +286,7 @@ class Gateway:
                     await self.finished(record)
                     return Response(status_code=499)
                 assert upstream is not None
+                record.t_headers = self.clock()
                 if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
                     await upstream.read()
                     upstream.release()
