@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema
+.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus dashboards-png
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,14 +21,39 @@ demo: venv
 redis:
 	@scripts/ensure-redis.sh
 
-test: venv redis vllm-env
+test: venv redis vllm-env prometheus
 	$(BIN)/python -m pytest -q -ra
 
-test-fast: venv redis
+test-fast: venv redis prometheus
 	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
+
+# Prometheus + promtool (Debian package): the observability tests run a real one.
+prometheus:
+	@scripts/install-prometheus.sh
+
+# PNGs of the Grafana dashboard's panels from a short simulated run, into loadtests/results/dashboards/.
+dashboards-png: venv prometheus
+	$(BIN)/python -m loadtests.render_dashboards
 
 schema: venv
 	$(BIN)/m3gate config schema > deploy/m3gate.schema.json
 
+# Short versions of every benchmark (gateway overhead, routing policies, harness self-check, the other loadtests
+# benches), results under loadtests/results/, a summary table at the end (under about five minutes).
+bench: venv
+	$(BIN)/python -m loadtests.bench_all --quick
+
 clean:
 	rm -rf $(VENV) .pytest_cache loadtests/results
+
+# Real vLLM (CPU build) in its own virtualenv under $(CACHE); the gateway never imports it.
+VLLM_PY := $(CACHE)/vllm-venv/bin/python
+
+vllm-env:
+	@scripts/install-vllm.sh
+
+tiny-model: vllm-env
+	@out=$$($(VLLM_PY) -m pools.vllm_local.tiny_model 2>&1) || { echo "$$out" >&2; exit 1; }
+
+vllm-up: venv tiny-model
+	$(BIN)/python -m pools.vllm_local.launcher --max-model-len 2048 4096 8192
