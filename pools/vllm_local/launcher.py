@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -296,6 +297,18 @@ def _fill(arg: str, ports: dict[str, int]) -> str:
 
 
 def _free_port() -> int:
+    """A port free now, chosen BELOW the kernel's ephemeral range (32768+): a server binds it a minute or two later,
+    and in between every outgoing connection on the machine takes ephemeral ports, so one from that range is often
+    gone by then ("Address already in use")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

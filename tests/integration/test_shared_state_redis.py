@@ -1,0 +1,260 @@
+"""Two `RedisState`s ("gateways" in one process, each with its own callbacks) against a real Redis: dispatches
+propagate, in-flight counts are summed and expire, and losing Redis costs nothing but sharing until it returns.
+
+The machine's Redis (127.0.0.1:6379, db 7) is used with a fresh key prefix per test, and only those keys are
+deleted; the outage test runs its own `redis-server` on a free port, since it stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from policies.snapshot import RoutingRequest
+from pools.shared_state import RedisState
+
+SHARED_REDIS = "redis://127.0.0.1:6379/7"
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+
+
+class Applied:
+    """An apply_remote callback that remembers what it got and when (monotonic)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, str, str, RoutingRequest]] = []
+
+    def __call__(self, pool: str, replica: str, request: RoutingRequest) -> None:
+        self.calls.append((time.monotonic(), pool, replica, request))
+
+    def replicas(self) -> list[str]:
+        return [c[2] for c in self.calls]
+
+
+async def eventually(check: Callable[[], bool], within: float, step: float = 0.01) -> float:
+    """Seconds until `check()` held; fails the test after `within` seconds."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > within:
+            raise AssertionError(f"condition not met within {within}s")
+        await asyncio.sleep(step)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A key prefix no other test uses; its keys (and only they) are deleted afterwards."""
+    key_prefix = f"m3gate-test:{uuid.uuid4().hex}:"
+    yield key_prefix
+    client = aioredis.Redis.from_url(SHARED_REDIS)
+    try:
+        keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+def _state(url: str, prefix: str, applied: Applied, counts: dict[str, int], **kwargs: object) -> RedisState:
+    return RedisState(url, applied, lambda: counts, key_prefix=prefix, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_dispatch_reaches_the_other_gateway_only(prefix: str) -> None:
+    got_a, got_b = Applied(), Applied()
+    a = _state(SHARED_REDIS, prefix, got_a, {})
+    b = _state(SHARED_REDIS, prefix, got_b, {})
+    await a.start()
+    await b.start()
+    try:
+        assert a.available and b.available and a.gateway_id != b.gateway_id
+        request = RoutingRequest(6000, 512, tuple(range(10**6, 10**6 + 400)), "session-1")
+        sent = time.monotonic()
+        a.on_dispatch("interactive", "http://10.0.0.1:8000", request)
+        await eventually(lambda: len(got_b.calls) == 1, within=1.0)  # typically 15-35 ms (loadtests/bench_...)
+        at, pool, replica, applied = got_b.calls[0]
+        assert at - sent < 1.0
+        assert (pool, replica) == ("interactive", "http://10.0.0.1:8000")
+        assert applied.session_key == "session-1" and (applied.prompt_tokens, applied.output_budget) == (6000, 512)
+        assert applied.block_hashes == request.block_hashes[:256]  # the leading blocks identify the prefix
+
+        for i in range(300):  # a burst keeps its order and loses nothing
+            (a if i % 2 else b).on_dispatch("interactive", f"http://r{i}", RoutingRequest(1, 1, (i,), None))
+        await eventually(lambda: len(got_b.calls) == 151 and len(got_a.calls) == 150, within=1.0)
+        assert got_b.replicas()[1:] == [f"http://r{i}" for i in range(1, 300, 2)]
+        assert got_a.replicas() == [f"http://r{i}" for i in range(0, 300, 2)]  # never its own dispatches
+        # (A counts after its pipeline returns, which may be after B has already read the entry)
+        await eventually(lambda: a.counters.entries_sent == 151 and b.counters.entries_applied == 151, 1.0)
+        assert a.counters.errors == b.counters.errors == 0
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_remote_in_flight_sums_other_gateways_and_vanishes_when_one_stops(prefix: str) -> None:
+    counts_a = {"http://r1": 3, "http://r2": 0}
+    counts_b = {"http://r1": 5}
+    counts_c = {"http://r1": 1, "http://r3": 2}
+    a = _state(SHARED_REDIS, prefix, Applied(), counts_a)
+    b = _state(SHARED_REDIS, prefix, Applied(), counts_b)
+    c = _state(SHARED_REDIS, prefix, Applied(), counts_c)
+    for s in (a, b, c):
+        await s.start()
+    try:
+        await eventually(lambda: b.remote_in_flight("http://r1") == 4 and b.remote_in_flight("http://r3") == 2, 1.0)
+        assert b.remote_in_flight("http://r2") == 0 and b.remote_in_flight("http://unknown") == 0
+        await eventually(lambda: a.remote_in_flight("http://r1") == 6, 1.0)  # b + c, never its own 3
+
+        counts_a.update({"http://r1": 0, "http://r2": 7})  # a's requests finish and new ones start
+        await eventually(lambda: b.remote_in_flight("http://r1") == 1 and b.remote_in_flight("http://r2") == 7, 1.0)
+
+        await c.stop()  # a clean stop withdraws its counts at once, without waiting for the TTL
+        waited = await eventually(lambda: b.remote_in_flight("http://r3") == 0, 1.0)
+        assert waited < 1.0  # far below the 3 s TTL
+        assert b.remote_in_flight("http://r2") == 7
+    finally:
+        for s in (a, b, c):
+            await s.stop()
+
+
+@pytest.fixture
+def crashed_gateway_script() -> str:
+    return (
+        "import asyncio, sys\n"
+        "from pools.shared_state import RedisState\n"
+        "async def main():\n"
+        "    s = RedisState(sys.argv[1], lambda *a: None, lambda: {'http://crash': 4}, key_prefix=sys.argv[2],\n"
+        "                   inflight_ttl_s=1.0)\n"
+        "    await s.start()\n"
+        "    print('ready', s.gateway_id, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+
+
+async def test_a_crashed_gateways_in_flight_expires_by_ttl(prefix: str, crashed_gateway_script: str) -> None:
+    b = _state(SHARED_REDIS, prefix, Applied(), {})
+    await b.start()
+    proc = subprocess.Popen([sys.executable, "-c", crashed_gateway_script, SHARED_REDIS, prefix], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.startswith(b"ready"), line
+        await eventually(lambda: b.remote_in_flight("http://crash") == 4, 2.0)
+        os.kill(proc.pid, signal.SIGKILL)  # no goodbye: only the TTL can clear its counts
+        proc.wait(5)
+        killed = time.monotonic()
+        await eventually(lambda: b.remote_in_flight("http://crash") == 0, 2.5)
+        assert time.monotonic() - killed > 0.3  # it really was the TTL (1 s, refreshed ≤ 0.25 s before the kill)
+        client = aioredis.Redis.from_url(SHARED_REDIS)
+        try:
+            assert line.split()[1] not in await client.smembers(prefix + "gateways")  # pruned from the registry
+        finally:
+            await client.aclose()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        await b.stop()
+
+
+# -- outage: a Redis of our own, stopped and restarted -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateRedis:
+    """A throwaway `redis-server` (no persistence) on a fixed port, stopped by PID."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--daemonize", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        self.proc = None
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    server = PrivateRedis(_free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_redis_outage_routes_locally_then_resynchronises(
+    private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="m3gate.shared_state")
+    url = f"redis://127.0.0.1:{private_redis.port}/7"
+    got_b = Applied()
+    a = _state(url, "t:", Applied(), {"http://r1": 2}, max_buffer=256, backoff_max_s=0.4)
+    b = _state(url, "t:", got_b, {}, backoff_max_s=0.4)
+    await a.start()
+    await b.start()
+    try:
+        a.on_dispatch("p", "http://before", RoutingRequest(1, 1, (1,), None))
+        await eventually(lambda: got_b.replicas() == ["http://before"], 1.0)
+        await eventually(lambda: b.remote_in_flight("http://r1") == 2, 1.0)
+
+        private_redis.stop()
+        for i in range(5000):  # the hot path during the outage: no exception, no I/O, bounded memory
+            a.on_dispatch("p", f"http://during{i}", RoutingRequest(1, 1, (i,), None))
+            if i % 500 == 0:
+                await asyncio.sleep(0.02)
+        await eventually(lambda: not a.available and not b.available, 1.0)
+        assert a.buffered <= 256 and a.counters.entries_dropped >= 5000 - 256
+        assert b.remote_in_flight("http://r1") == 0  # no stale counts from an unreachable Redis
+        await asyncio.sleep(0.5)  # several failed reconnects
+
+        private_redis.start()
+        await eventually(lambda: a.available and b.available, 3.0)
+        a.on_dispatch("p", "http://after", RoutingRequest(1, 1, (2,), None))
+        await eventually(lambda: "http://after" in got_b.replicas(), 1.0)
+        # the newest dispatches kept during the outage were published on reconnect (resync)
+        assert "http://during4999" in got_b.replicas()
+        await eventually(lambda: b.remote_in_flight("http://r1") == 2, 1.0)
+        assert a.counters.reconnects == b.counters.reconnects == 1
+    finally:
+        await a.stop()
+        await b.stop()
+    outage_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(outage_lines) == 2  # once per gateway, not per request or per retry
