@@ -65,6 +65,7 @@ class ConfigReloader:
                 self.status.message = f"{trigger}: unchanged"
                 return self.status
             notes = self.gateway.apply_config(config)
+            await self.gateway.discovery.sync()
             self.status.ok = True
             self.status.successes += 1
             self.status.problems = notes

@@ -139,17 +139,36 @@ class PoolRuntime:
 
     config: PoolConfig
     replicas: dict[str, Replica]
+    discovered: set[str] = field(default_factory=set)
 
     @classmethod
     def from_config(cls, config: PoolConfig, previous: PoolRuntime | None = None) -> PoolRuntime:
+        """Replicas listed in the config plus, while the pool keeps the same DNS discovery, the ones found by it."""
         kept = previous.replicas if previous else {}
-        replicas = {}
-        for url in config.endpoints:
-            replica = kept.get(url) or Replica(url=url, pool=config.name)
-            replica.block_size = config.block_size
-            replica.kv_blocks = config.kv_blocks or replica.kv_blocks
-            replicas[url] = replica
-        return cls(config=config, replicas=replicas)
+        discovered = (
+            set(previous.discovered) if previous and config.discovery and previous.config.discovery == config.discovery
+            else set()
+        )
+        pool = cls(config=config, replicas={}, discovered=discovered)
+        for url in [*config.endpoints, *sorted(discovered)]:
+            pool._add(url, kept.get(url))
+        return pool
+
+    def _add(self, url: str, existing: Replica | None = None) -> None:
+        replica = existing or Replica(url=url, pool=self.config.name)
+        replica.block_size = self.config.block_size
+        replica.kv_blocks = self.config.kv_blocks or replica.kv_blocks
+        self.replicas[url] = replica
+
+    def apply_discovery(self, added: set[str], removed: set[str]) -> None:
+        """DNS discovery changed the replica set. Removed replicas drain: requests on them hold their own reference."""
+        self.discovered = (self.discovered | added) - removed
+        for url in added:
+            if url not in self.replicas:
+                self._add(url)
+        for url in removed:
+            if url not in self.config.endpoints:
+                self.replicas.pop(url, None)
 
     @property
     def name(self) -> str:

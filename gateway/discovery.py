@@ -1,0 +1,56 @@
+"""DNS endpoint discovery for pools that name a headless Service instead of listing endpoints.
+
+One `DnsEndpointWatcher` per pool with a `discovery:` section; its changes add replicas (new ones start healthy and
+are probed on the next health tick) or drain removed ones (requests already on them finish). Re-synced after each
+config reload, so adding, changing or removing a pool's discovery takes effect without a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pools.discovery import DnsDiscovery, DnsEndpointWatcher
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("m3gate.discovery")
+
+
+class DiscoveryManager:
+    def __init__(self, gateway: Gateway, resolver: Any = None) -> None:
+        self._gateway = gateway
+        self._resolver = resolver
+        self._watchers: dict[str, tuple[DnsDiscovery, DnsEndpointWatcher]] = {}
+
+    async def sync(self) -> None:
+        """Start, restart or stop watchers so they match the pools' current `discovery` settings."""
+        wanted = {name: pool.config.discovery for name, pool in self._gateway.pools.items() if pool.config.discovery}
+        for name, (spec, watcher) in list(self._watchers.items()):
+            if wanted.get(name) != spec:
+                await watcher.stop()
+                del self._watchers[name]
+        for name, spec in wanted.items():
+            if name in self._watchers:
+                continue
+            watcher = DnsEndpointWatcher(spec, self._changed(name), self._resolver)
+            self._watchers[name] = (spec, watcher)
+            await watcher.refresh()  # the first answer before serving, so a fresh gateway has replicas at once
+            watcher.start()
+
+    def _changed(self, pool_name: str) -> Any:
+        def on_change(added: set[str], removed: set[str]) -> None:
+            pool = self._gateway.pools.get(pool_name)
+            if pool is None:
+                return
+            pool.apply_discovery(added, removed)
+            self._gateway.sync_prefix_index()
+            log.warning("pool %s: discovery added %s, removed %s", pool_name, sorted(added), sorted(removed))
+
+        return on_change
+
+    async def stop(self) -> None:
+        for _, watcher in self._watchers.values():
+            await watcher.stop()
+        self._watchers.clear()
