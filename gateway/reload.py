@@ -95,7 +95,13 @@ class ConfigReloader:
         from watchfiles import awatch
 
         assert self.path is not None
+        # watchfiles logs each batch at INFO; a log file beside the config would then re-trigger the watch forever.
+        logging.getLogger("watchfiles").setLevel(logging.WARNING)
         target = self.path.resolve()
-        async for changes in awatch(target.parent, debounce=100, step=20, recursive=False):
+        # Only the config file wakes the watcher: other files in its folder (a log file, say) must not, or each
+        # write would be logged as a change, which is a write, which is a change...
+        only_config = lambda _change, path: Path(path).resolve() == target  # noqa: E731
+        async for changes in awatch(target.parent, debounce=100, step=20, recursive=False,
+                                    watch_filter=only_config):
             if any(Path(p).resolve() == target for _, p in changes):
                 await self.reload("file changed")

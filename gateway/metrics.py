@@ -1,0 +1,403 @@
+"""The gateway's Prometheus metrics: one `CollectorRegistry` per app, served on GET /metrics.
+
+Two kinds of numbers, with two costs:
+- per-request metrics (`RequestMetrics.observe`, ~9 µs a request), fed once per request from its `RequestRecord`.
+  Counters are plain dicts keyed by label tuple (`CounterTable`); histograms are prometheus_client's, their labelled
+  children cached by label tuple, because `.labels()` costs more than the observation itself;
+- replica and pool state (`ReplicaCollector`), read from the Gateway's `pools` only when Prometheus scrapes, so the
+  hot path pays nothing for it.
+
+Labels stay bounded: pool, endpoint (replica URL from the config), class, thinking_mode, api, status (an HTTP code),
+error type and routing reason (fixed vocabularies). Never a user, key, session or prompt.
+
+`GET /metrics/targets` lists every configured replica in Prometheus' HTTP service-discovery format, labelled with its
+pool, so the replicas' own vLLM metrics are scraped with the same pool/endpoint labels as the gateway's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from importlib import metadata
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.relay import RequestRecord
+from pools.replicas import PoolRuntime
+
+# Latency buckets from 1 ms to 10 min. Where vLLM has a boundary (TTFT: 1 ms … 160 s; request latency: 0.3 s … 480 s)
+# the same one is used, so gateway and replica histograms of one stage can be compared bucket for bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 320.0, 600.0)
+STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 600.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's ITL/TPOT boundaries from 10 ms up
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+NONE = "none"  # label value for "not decided yet" (a request rejected before it had a pool or a mode)
+_CODE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+ROUTING_REASONS = frozenset({
+    "round_robin", "least_loaded", "session", "affinity_hit", "load_spill", "cold_rendezvous", "all_saturated",
+    "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
+})
+
+
+class GatewayView(Protocol):
+    """What metrics read from the Gateway (kept narrow so tests can hand in a stub)."""
+
+    pools: dict[str, PoolRuntime]
+    clock: Callable[[], float]
+
+
+def error_type(record: RequestRecord) -> str | None:
+    """A fixed-vocabulary name for how a request failed, or None when it did not."""
+    if record.client_disconnected:
+        return "client_disconnected"
+    error = record.error
+    if error:
+        if _CODE.match(error):
+            return error  # RequestRejected / UpstreamFailure codes: invalid_json, model_not_found, no_healthy_replica…
+        if error.startswith("upstream stream ended"):
+            return "stream_incomplete"
+        if error.startswith("upstream failed mid-stream"):
+            return "stream_broken"
+        return "other"
+    if record.status >= 400:
+        return f"upstream_{record.status // 100}xx"
+    return None
+
+
+def gateway_overhead_s(record: RequestRecord, first_send: float) -> float:
+    """The gateway's own time before the first upstream attempt: body read, classification, pool and replica choice;
+    time waiting in the admission queue is not overhead (it is load), nor is a failed attempt's time."""
+    waited = max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0
+    return max(0.0, first_send - record.t_arrival - waited)
+
+
+def routing_reason(record: RequestRecord) -> str:
+    """One reason per routed request: retry and pool spill first (what ops watch), else the replica policy's own."""
+    if record.retried:
+        return "retry"
+    if (record.first_pool and record.pool != record.first_pool) or record.pool_reason.startswith("spill"):
+        return "pool_spill"
+    return record.reason if record.reason in ROUTING_REASONS else "other"
+
+
+class _Children:
+    """Labelled children of one metric, cached by label tuple."""
+
+    __slots__ = ("_metric", "_cache")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
+
+
+class CounterTable:
+    """A labelled counter kept as plain floats and exposed at scrape time.
+
+    Every per-request hook runs on the gateway's event loop, and so does the /metrics handler that reads these: one
+    thread owns them, so no lock is needed, and an increment is a dict update (~0.1 µs, against ~0.7 µs for a
+    prometheus_client child with its lock). Histograms stay prometheus_client's."""
+
+    __slots__ = ("name", "documentation", "labelnames", "values")
+
+    def __init__(self, registry: CollectorRegistry, name: str, documentation: str, labelnames: tuple[str, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self.values
+        values[key] = values.get(key, 0.0) + amount
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, value in list(self.values.items()):
+            family.add_metric(key, value)
+        yield family
+
+
+class InFlightGauge:
+    """Requests started minus requests finished, per API, as plain ints read at scrape time (see CounterTable)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.started: dict[str, int] = {}
+        self.finished: dict[str, int] = {}
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("m3gate_requests_in_flight", "Requests the gateway is handling now.", labels=["api"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("m3gate_requests_in_flight", "Requests the gateway is handling now.",
+                                   labels=["api"])
+        for api, started in list(self.started.items()):
+            family.add_metric([api], float(started - self.finished.get(api, 0)))
+        yield family
+
+
+class RequestMetrics:
+    """Per-request counters and histograms, plus the few gauges other parts of the gateway set."""
+
+    def __init__(self, gateway: GatewayView, registry: CollectorRegistry) -> None:
+        self._gateway = gateway
+        r = registry
+        req = ("api", "pool", "class", "thinking_mode")
+        cls = ("pool", "class")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> CounterTable:
+            return CounterTable(r, name, doc, labels)
+
+        def histogram(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> _Children:
+            return _Children(Histogram(name, doc, labels, buckets=buckets, registry=r))
+
+        self.requests = counter("m3gate_requests", "Requests answered, by outcome (status 499: the client left).",
+                                (*req, "status"))
+        self.errors = counter("m3gate_request_errors", "Failed requests by error type (4xx, 5xx, broken streams, "
+                              "client disconnects).", ("api", "pool", "class", "type"))
+        self.in_flight = InFlightGauge(r)
+        self.upstream = counter("m3gate_upstream_requests", "Requests answered by each replica (final attempt).",
+                                ("pool", "endpoint", "status"))
+        self.e2e = histogram("m3gate_request_duration_seconds", "Arrival to last byte of every routed request.",
+                             req, STAGE_BUCKETS)
+        self.ttft = histogram("m3gate_time_to_first_token_seconds", "Arrival at the gateway to the first token's "
+                              "event (streams).", req, TTFT_BUCKETS)
+        self.tpot = histogram("m3gate_time_per_output_token_seconds", "Decode time / (output tokens - 1), per "
+                              "streamed request.", ("pool", "class", "thinking_mode"), TPOT_BUCKETS)
+        self.queue = histogram("m3gate_gateway_queue_seconds", "Time waiting in the gateway's admission queue.",
+                               cls, STAGE_BUCKETS)
+        self.prefill = histogram("m3gate_prefill_seconds", "Sent to the replica until its first token's event "
+                                 "(replica queue + prefill + network).", cls, STAGE_BUCKETS)
+        self.decode = histogram("m3gate_decode_seconds", "First to last token's event (streams).", cls, STAGE_BUCKETS)
+        self.overhead = histogram("m3gate_gateway_overhead_seconds", "The gateway's own share before the upstream "
+                                  "call: body read, classification, pool and replica choice (admission waits and "
+                                  "retried attempts excluded).", ("api",), OVERHEAD_BUCKETS)
+        self.prompt_tokens = counter("m3gate_prompt_tokens", "Prompt tokens, as the replicas reported them.", cls)
+        self.output_tokens = counter("m3gate_output_tokens", "Output tokens (thinking included), as reported.", cls)
+        self.cached_tokens = counter("m3gate_cached_prompt_tokens", "Prompt tokens the replicas served from their "
+                                     "prefix cache (usage.prompt_tokens_details.cached_tokens).", cls)
+        self.estimated_tokens = counter("m3gate_prompt_tokens_estimated", "Prompt tokens as the gateway estimated "
+                                        "them, for every routed request.", cls)
+        self.matched_tokens = counter("m3gate_prefix_matched_tokens", "Prompt tokens the gateway's prefix index "
+                                      "expected the chosen replica to have cached.", cls)
+        self.routing = counter("m3gate_routing_decisions", "Routed requests by reason (affinity_hit, load_spill, "
+                               "pool_spill, retry, ...).", ("pool", "reason"))
+        self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
+        self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
+        self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time
+
+    def observe(self, record: RequestRecord, now: float, exemplar: dict[str, str] | None = None) -> None:
+        """Feed one finished request: a few dict updates and up to seven histogram observations."""
+        api = record.api
+        pool = record.pool or record.first_pool or NONE  # a 503 no_healthy_replica still belongs to its pool
+        klass = record.traffic_class or pool
+        mode = record.thinking_mode or NONE
+        status = "499" if record.client_disconnected else str(record.status)
+        finished = self.in_flight.finished
+        finished[api] = finished.get(api, 0) + 1
+        self.requests.inc((api, pool, klass, mode, status))
+        err = error_type(record)
+        if err is not None:
+            self.errors.inc((api, pool, klass, err))
+        if not record.pool or not record.t_sent:
+            return  # rejected before any replica was tried
+        by_class = (pool, klass)
+        self.upstream.inc((pool, record.replica, status))
+        self.routing.inc((pool, routing_reason(record)))
+        end = record.t_last_byte or now
+        self.e2e(api, pool, klass, mode).observe(end - record.t_arrival)
+        self.queue(pool, klass).observe(max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0)
+        if not record.retried:  # a retried request's t_sent is its last attempt's
+            self.overhead(api).observe(gateway_overhead_s(record, record.t_sent))
+        self.estimated_tokens.inc(by_class, record.prompt_tokens_est)
+        if record.matched_blocks:
+            runtime = self._gateway.pools.get(pool)
+            block = runtime.config.block_size if runtime is not None else 128
+            self.matched_tokens.inc(by_class, record.matched_blocks * block)
+        usage = record.usage
+        completion = 0
+        if usage:
+            prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+            completion = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+            cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            self.prompt_tokens.inc(by_class, float(prompt))
+            self.output_tokens.inc(by_class, float(completion))
+            if cached:
+                self.cached_tokens.inc(by_class, float(cached))
+        if record.stream and record.status == 200 and record.t_first_byte and not record.client_disconnected:
+            self.ttft(api, pool, klass, mode).observe(record.t_first_byte - record.t_arrival, exemplar)
+            self.prefill(pool, klass).observe(record.t_first_byte - record.t_sent)
+            if record.error is None and record.t_last_byte:
+                decode = record.t_last_byte - record.t_first_byte
+                self.decode(pool, klass).observe(decode)
+                if completion > 1:
+                    self.tpot(pool, klass, mode).observe(decode / (completion - 1))
+
+
+class ReplicaCollector:
+    """Replica and pool state re-exported at scrape time from what the monitor already knows."""
+
+    def __init__(self, gateway: Any, metrics: RequestMetrics) -> None:
+        self._gateway = gateway
+        self._metrics = metrics
+        try:
+            self._version = metadata.version("m3gate")
+        except metadata.PackageNotFoundError:
+            self._version = "unknown"
+
+    def collect(self) -> Iterator[Metric]:
+        gw = self._gateway
+        now = gw.clock()
+        pe = ["pool", "endpoint"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=pe)
+
+        healthy = gauge("m3gate_replica_healthy", "1 when the replica's /health answered 200 at the last check.")
+        available = gauge("m3gate_replica_available", "1 when the replica takes requests: healthy, not draining, "
+                          "not ejected after failures.")
+        ejections = CounterMetricFamily("m3gate_replica_ejections", "Times the replica was ejected after a failure.",
+                                        labels=pe)
+        in_flight = gauge("m3gate_replica_in_flight_requests", "Requests this gateway has on the replica now.")
+        waiting = gauge("m3gate_replica_waiting_requests", "vllm:num_requests_waiting at the last scrape.")
+        running = gauge("m3gate_replica_running_requests", "vllm:num_requests_running at the last scrape.")
+        kv = gauge("m3gate_replica_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc at the last scrape (0..1).")
+        queries = CounterMetricFamily("m3gate_replica_prefix_cache_query_tokens", "vllm:prefix_cache_queries_total "
+                                      "at the last scrape (tokens).", labels=pe)
+        hits = CounterMetricFamily("m3gate_replica_prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total at the "
+                                   "last scrape (tokens).", labels=pe)
+        age = gauge("m3gate_replica_metrics_age_seconds", "Seconds since the replica's /metrics was last read.")
+        replicas = GaugeMetricFamily("m3gate_pool_replicas", "Replicas configured or discovered.", labels=["pool"])
+        live = GaugeMetricFamily("m3gate_pool_available_replicas", "Replicas taking requests now.", labels=["pool"])
+        for name, pool in list(gw.pools.items()):
+            count = up = 0
+            for replica in list(pool.replicas.values()):
+                lv = [name, replica.url]
+                ok = replica.is_available(now)
+                count += 1
+                up += ok
+                healthy.add_metric(lv, float(replica.healthy))
+                available.add_metric(lv, float(ok))
+                ejections.add_metric(lv, float(replica.ejections))
+                in_flight.add_metric(lv, float(replica.in_flight))
+                load = replica.scraped
+                if load is not None:
+                    waiting.add_metric(lv, load.waiting)
+                    running.add_metric(lv, load.running)
+                    kv.add_metric(lv, load.kv_usage)
+                    queries.add_metric(lv, load.prefix_queries)
+                    hits.add_metric(lv, load.prefix_hits)
+                if replica.scraped_at is not None:
+                    age.add_metric(lv, max(0.0, now - replica.scraped_at))
+            replicas.add_metric([name], float(count))
+            live.add_metric([name], float(up))
+        yield from (healthy, available, ejections, in_flight, waiting, running, kv, queries, hits, age, replicas, live)
+        info = GaugeMetricFamily("m3gate_build_info", "The running m3gate version.", labels=["version"])
+        info.add_metric([self._version], 1.0)
+        yield info
+        redis = self._redis_up()
+        if redis is not None:
+            yield GaugeMetricFamily("m3gate_redis_up", "1 when the shared-state Redis answers.", value=float(redis))
+
+    def _redis_up(self) -> bool | None:
+        state = getattr(getattr(self._gateway, "config", None), "state", None)
+        if not state or state == "memory":
+            return None  # no shared state configured: nothing to be up or down
+        if self._metrics.redis_up is not None:
+            return self._metrics.redis_up
+        return bool(getattr(getattr(self._gateway, "shared", None), "available", False))
+
+
+class GatewayMetrics:
+    """The registry and everything in it, for one Gateway."""
+
+    def __init__(self, gateway: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = RequestMetrics(gateway, self.registry)
+        self.registry.register(ReplicaCollector(gateway, self.requests))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total etc. of this gateway process
+
+    def started(self, api: str) -> None:
+        started = self.requests.in_flight.started
+        started[api] = started.get(api, 0) + 1
+
+    def finished(self, record: RequestRecord, now: float, trace_id: str | None = None) -> None:
+        self.requests.observe(record, now, {"trace_id": trace_id} if trace_id else None)
+
+    def config_reloaded(self, ok: bool) -> None:
+        self.requests.reloads.inc(("success" if ok else "failure",))
+
+    def set_redis_up(self, up: bool) -> None:
+        self.requests.redis_up = up
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition Prometheus asked for (OpenMetrics carries trace-id exemplars; text format does not)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HTTP
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics: GatewayMetrics | None = request.app.state.gateway.telemetry.metrics
+    if metrics is None:
+        return Response("metrics are disabled (telemetry.metrics: false)\n", 404, media_type="text/plain")
+    body, content_type = metrics.render(request.headers.get("accept"))
+    return Response(body, headers={"content-type": content_type})
+
+
+def scrape_targets(pools: Mapping[str, PoolRuntime]) -> list[dict[str, Any]]:
+    """Prometheus http_sd groups: one per replica, labelled with its pool and endpoint URL."""
+    groups = []
+    for name, pool in pools.items():
+        for url in pool.replicas:
+            parts = urlsplit(url)
+            groups.append({
+                "targets": [parts.netloc],
+                "labels": {
+                    "pool": name,
+                    "endpoint": url,
+                    "__scheme__": parts.scheme or "http",
+                    "__metrics_path__": parts.path.rstrip("/") + "/metrics",
+                },
+            })
+    return groups
+
+
+async def targets_endpoint(request: Request) -> Response:
+    gw = request.app.state.gateway
+    if gw.telemetry.metrics is None:
+        return JSONResponse([], 404)
+    return JSONResponse(scrape_targets(gw.pools))
+
+
+def metrics_routes() -> list[Route]:
+    return [
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/metrics/targets", targets_endpoint, methods=["GET"]),
+    ]
+
