@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus dashboards-png
+.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus dashboards-png chaos fuzz soak
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,18 @@ schema: venv
 # benches), results under loadtests/results/, a summary table at the end (under about five minutes).
 bench: venv
 	$(BIN)/python -m loadtests.bench_all --quick
+
+# Reliability suites, figures in deploy/RELIABILITY.md (short versions run in `make test`; -m "not soak" skips one).
+# chaos: every failure scenario under load through two gateways sharing a private Redis (about 3 minutes);
+# fuzz: 10,000 hostile/malformed cases and connection attacks (about 6 minutes); soak: 30 minutes of mixed load.
+chaos: venv redis
+	$(BIN)/python -m loadtests.chaos
+
+fuzz: venv redis
+	$(BIN)/python -m loadtests.fuzz --cases 10000
+
+soak: venv redis
+	$(BIN)/python -m loadtests.soak --minutes 30
 
 clean:
 	rm -rf $(VENV) .pytest_cache loadtests/results

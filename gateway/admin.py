@@ -6,12 +6,14 @@ Without `admin.api_key` configured it answers loopback clients only.
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.admission import admin_traffic
 from gateway.app import Gateway
 from gateway.errors import error_response
 
@@ -55,6 +57,8 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
                 "kv_usage": snap.kv_usage,
                 "metrics_age_s": None if snap.metrics_age_s is None else round(snap.metrics_age_s, 3),
                 "kv_blocks": replica.kv_blocks,
+                "prefix_index_blocks": gw.prefix_index.size(replica.url),  # bounded by prefix_index_capacity
+                "prefix_index_capacity": gw.prefix_index.capacity(replica.url),
                 "prefill_s_per_token": replica.prefill_s_per_token,
                 "tpot_s": replica.tpot_s,
             }
@@ -113,7 +117,22 @@ async def effective_config(request: Request) -> Response:
     if (denied := _authorized(request)) is not None:
         return denied
     gw: Gateway = request.app.state.gateway
-    return JSONResponse(gw.config.model_dump(mode="json"))
+    return JSONResponse(_without_url_passwords(gw.config.model_dump(mode="json")))
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@\s:]*):[^/@\s]*@")
+
+
+def _without_url_passwords(value: Any) -> Any:
+    """Passwords inside URLs (`state: redis://:secret@host`, an OTLP endpoint's user:password) masked like the
+    config's SecretStr fields."""
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(r"\1:**********@", value)
+    if isinstance(value, dict):
+        return {k: _without_url_passwords(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_url_passwords(v) for v in value]
+    return value
 
 
 def admin_routes() -> list[Route]:
@@ -124,4 +143,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/reload", reload, methods=["POST"]),
         Route("/admin/reload", reload_status, methods=["GET"]),
         Route("/admin/config", effective_config, methods=["GET"]),
+        Route("/admin/traffic", admin_traffic, methods=["GET"]),
     ]

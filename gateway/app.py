@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +21,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.admission import TrafficControl
 from gateway.errors import UpstreamFailure
+from gateway.discovery import DiscoveryManager
 from gateway.telemetry import Telemetry
 from gateway.relay import (
     RETRYABLE_STATUS,
@@ -30,12 +33,14 @@ from gateway.relay import (
     response_headers,
     upstream_headers,
 )
+from policies.admission import pool_saturated
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
 from policies.replica_choice import NoReplicaAvailable, ReplicaPolicy, RoutingRequest, build_policy
 from policies.tokens import TokenCounter
 from pools.config import GatewayConfig
+from pools.kv_events import PreciseCollector, PrecisePool
 from pools.monitor import ReplicaMonitor
 from pools.prefix_index import PrefixIndex
 from pools.shared_state import SharedState, build_shared_state
@@ -51,7 +56,7 @@ MAX_ATTEMPTS = 2
 class Gateway:
     """Everything one gateway process knows: config, pools and replicas, policies, the upstream session."""
 
-    def __init__(self, config: GatewayConfig, clock: Any = time.monotonic) -> None:
+    def __init__(self, config: GatewayConfig, clock: Any = time.monotonic, resolver: Any = None) -> None:
         self.config = config
         self.clock = clock
         self.counter = TokenCounter(config.classification)
@@ -61,11 +66,16 @@ class Gateway:
         self.config = config
         self.session: aiohttp.ClientSession | None = None
         self.monitor: ReplicaMonitor | None = None
+        self.precise: dict[str, PrecisePool] = {}  # pools routing from their replicas' KV events
+        self._precise_tasks: set[asyncio.Task[None]] = set()  # starts and stops after reloads, kept referenced
         self._apply_config(config)
         self.telemetry = Telemetry(self)
+        self._register_precise_metrics()
+        self.discovery = DiscoveryManager(self, resolver)
         self.shared: SharedState = build_shared_state(
             config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model
         )
+        self.traffic = TrafficControl(config, clock, self.pool_saturated)
 
     # lifecycle ---------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
@@ -73,9 +83,10 @@ class Gateway:
         policy_changed = config.routing != self.config.routing
         self.config = config
         self.pools = {p.name: PoolRuntime.from_config(p, previous.get(p.name)) for p in config.pools_by_size()}
+        rebuilt = self._configure_precise(config)
         self.policies = {
-            name: (None if policy_changed else self.policies.get(name))
-            or build_policy(config.routing.policy, prefix_index=self.prefix_index)
+            name: (None if policy_changed or name in rebuilt else self.policies.get(name))
+            or build_policy(config.routing.policy, prefix_index=self._prefix_matcher(name))
             for name in self.pools
         }
         self._served = frozenset(config.served_model_ids())
@@ -84,6 +95,7 @@ class Gateway:
     def sync_prefix_index(self) -> None:
         """Bound each replica's prefix index by its KV capacity; forget replicas that left the config."""
         self.prefix_index.sync({r.url: r.kv_blocks for r in self.all_replicas()})
+        self.sync_precise()
 
     def apply_config(self, config: GatewayConfig) -> list[str]:
         """Swap in a validated config. Kept endpoints keep their state; requests in flight on removed ones finish.
@@ -97,6 +109,7 @@ class Gateway:
         if config.classification.encoding != old.classification.encoding:
             self.counter = TokenCounter(config.classification)
         self._apply_config(config)
+        notes.extend(self.traffic.apply_config(config))
         return notes
 
     def telemetry_reload(self, ok: bool) -> None:
@@ -119,11 +132,17 @@ class Gateway:
             self.session, self.all_replicas, server.health_interval_s, headers_for=self._probe_headers,
             clock=self.clock, on_capacity=self.sync_prefix_index,
         )
+        await self.discovery.sync()
         await self.monitor.poll_once()
         self.monitor.start()
         await self.shared.start()
+        await self.traffic.start()
+        await self._start_precise()
 
     async def stop(self) -> None:
+        await self._stop_precise()
+        await self.discovery.stop()
+        await self.traffic.stop()
         await self.shared.stop()
         if self.monitor:
             await self.monitor.stop()
@@ -139,6 +158,13 @@ class Gateway:
         policy = self.policies.get(pool)
         if policy is not None and replica in self.pools[pool].replicas:
             policy.dispatched(request, replica, self.clock())
+
+    def pool_saturated(self, name: str) -> bool:
+        """Every available replica of the pool reports a long vLLM queue or a full KV cache (admission waits)."""
+        pool = self.pools.get(name)
+        if pool is None:
+            return False
+        return pool_saturated(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
 
     def _local_in_flight(self) -> dict[str, int]:
         return {r.url: r.in_flight for r in self.all_replicas()}
@@ -218,16 +244,112 @@ class Gateway:
 
         return prefix_blocks(body, api, self.config.model)
 
+    # precise prefix routing (pools/kv_events.py) ---------------------------------------------------------
+    def _configure_precise(self, config: GatewayConfig) -> set[str]:
+        """Keep one PrecisePool per pool with `precise` on (prefix_affinity only); returns the pools whose matcher
+        changed (their policies are rebuilt). A pool whose precise settings changed gets a fresh one."""
+        wanted = {
+            p.name: p for p in config.pools
+            if p.precise is not None and p.precise.enabled and config.routing.policy == "prefix_affinity"
+        }
+        changed: set[str] = set()
+        for name in [n for n in self.precise if n not in wanted]:
+            self._retire_precise(self.precise.pop(name))
+            changed.add(name)
+        for name, pool_cfg in wanted.items():
+            current = self.precise.get(name)
+            if current is not None and current.identity == PrecisePool.identity_for(pool_cfg, config.model):
+                continue
+            if current is not None:
+                self._retire_precise(current)
+            fresh = PrecisePool(pool_cfg, config.model, self.prefix_index, self.clock)
+            self.precise[name] = fresh
+            changed.add(name)
+            if self.session is not None:  # running: a reload turned it on
+                pool = self.pools.get(name)
+                replicas = list(pool.replicas.values()) if pool is not None else []
+                self._precise_task(fresh.start(self.session, self._probe_headers(replicas[0]) if replicas else {}))
+        return changed
+
+    def _retire_precise(self, precise: PrecisePool) -> None:
+        self._precise_task(precise.stop())
+
+    def _precise_task(self, work: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(work)
+        except RuntimeError:  # no running loop (built before start): nothing was started, nothing to stop
+            work.close()
+            return
+        self._precise_tasks.add(task)
+        task.add_done_callback(self._precise_tasks.discard)
+
+    def _prefix_matcher(self, pool: str) -> Any:
+        precise = self.precise.get(pool)
+        return precise.matcher if precise is not None else self.prefix_index
+
+    def sync_precise(self) -> None:
+        """Subscribe to the KV events of exactly the precise pools' current replicas (config, discovery, reload)."""
+        for name, precise in self.precise.items():
+            pool = self.pools.get(name)
+            replicas = list(pool.replicas.values()) if pool is not None else []
+            headers = self._probe_headers(replicas[0]) if replicas else {}
+            precise.hub.sync(precise.targets(replicas, headers))
+
+    async def _start_precise(self) -> None:
+        assert self.session is not None
+        for name, precise in self.precise.items():
+            replicas = list(self.pools[name].replicas.values())
+            await precise.start(self.session, self._probe_headers(replicas[0]) if replicas else {})
+
+    async def _stop_precise(self) -> None:
+        for precise in self.precise.values():
+            await precise.stop()
+
+    def _register_precise_metrics(self) -> None:
+        metrics = getattr(self.telemetry, "metrics", None)
+        if metrics is not None:
+            metrics.registry.register(PreciseCollector(
+                _PreciseHubs(self), lambda: {n: p.matcher for n, p in self.precise.items()},
+                lambda: {n: p.hasher for n, p in self.precise.items() if p.hasher is not None},
+            ))
+
+    async def precise_routings(
+        self, choice: PoolChoice, routing: RoutingRequest, payload: bytes, api: str
+    ) -> dict[str, RoutingRequest]:
+        """The request with its exact vLLM block hashes, for each candidate pool that routes precisely (pools that
+        hash alike share one computation). Tokenizing runs in a worker thread; a failure means approximate routing."""
+        out: dict[str, RoutingRequest] = {}
+        done: dict[Any, tuple[int, ...]] = {}
+        now = self.clock()
+        for pool_cfg in choice.candidates:
+            precise = self.precise.get(pool_cfg.name)
+            pool = self.pools.get(pool_cfg.name)
+            if precise is None or pool is None or precise.hasher is None:
+                continue
+            key = (precise.hash_settings, precise.config.tokenizer, precise.config.model_dir)
+            if key not in done:
+                replica = next((r.url for r in pool.replicas.values() if r.is_available(now)), None)
+                done[key] = await precise.exact_hashes(payload, api, replica)
+            if done[key]:
+                out[pool_cfg.name] = replace(routing, exact_block_hashes=done[key])
+        return out
+
     # forwarding --------------------------------------------------------------------------------------------
-    def _targets(self, choice: PoolChoice, routing: RoutingRequest) -> list[tuple[PoolRuntime, Replica, str, int]]:
+    def _targets(
+        self, choice: PoolChoice, routing: RoutingRequest, routings: Mapping[str, RoutingRequest] | None = None
+    ) -> list[tuple[PoolRuntime, Replica, str, int]]:
         """Up to MAX_ATTEMPTS (pool, replica, reason, matched blocks): the best replica, then the next best in
-        the same pool, else the best of the next larger pool."""
+        the same pool, else the best of the next larger pool. `routings`: per pool, the request with that pool's
+        exact block hashes (precise pools)."""
         now = self.clock()
         targets: list[tuple[PoolRuntime, Replica, str, int]] = []
         for pool_cfg in choice.candidates:
-            pool = self.pools[pool_cfg.name]
+            pool = self.pools.get(pool_cfg.name)
+            if pool is None:  # removed by a reload while the request waited
+                continue
             try:
-                decision = self.policies[pool.name].choose(routing, pool.snapshots(now, self.shared), now)
+                pool_routing = routings.get(pool.name, routing) if routings else routing
+                decision = self.policies[pool.name].choose(pool_routing, pool.snapshots(now, self.shared), now)
             except NoReplicaAvailable:
                 continue
             for url in (decision.replica, *decision.fallbacks):
@@ -249,7 +371,8 @@ class Gateway:
         strip_usage: bool,
     ) -> Response | StreamRelay:
         assert self.session is not None
-        targets = self._targets(choice, routing)
+        routings = await self.precise_routings(choice, routing, payload, record.api) if self.precise else {}
+        targets = self._targets(choice, routing, routings)
         if not targets:
             raise UpstreamFailure(
                 503,
@@ -268,10 +391,11 @@ class Gateway:
             key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
             headers = upstream_headers(raw_headers, key)
             self.telemetry.inject(record, headers)
-            extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url}
+            extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url,
+                     **self.traffic.response_headers(record)}
             guard = replica.guard(tokens)
             record.t_sent = self.clock()
-            self.policies[pool.name].dispatched(routing, replica.url, record.t_sent)
+            self.policies[pool.name].dispatched(routings.get(pool.name, routing), replica.url, record.t_sent)
             self.shared.on_dispatch(pool.name, replica.url, routing)
             upstream: aiohttp.ClientResponse | None = None
             try:
@@ -290,16 +414,16 @@ class Gateway:
                 if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
                     await upstream.read()
                     upstream.release()
-                    replica.record_failure(self.clock())
+                    replica.record_failure(self.clock(), answered=True)
                     guard.release()
                     last_failure = UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
                     continue
-                if upstream.status >= 500:
-                    replica.record_failure(self.clock())
-                else:
-                    replica.record_success()
                 record.status = upstream.status
                 is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+                if upstream.status >= 500:
+                    replica.record_failure(self.clock(), answered=True)
+                elif not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
+                    replica.record_success()  # byte counts against its replica like a failure before it
                 if is_sse:
                     record.t_first_byte = self.clock()
                     return StreamRelay(
@@ -347,11 +471,22 @@ class Gateway:
         raise last_failure
 
     async def finished(self, record: RequestRecord) -> None:
-        """Called exactly once per request, however it ended: feeds latency estimates back, then telemetry."""
+        """Called exactly once per request, however it ended: frees its admission slot, feeds latency estimates
+        back, then telemetry. Idempotent, so a late error path cannot count a request twice."""
+        if record.extra.get("finished"):
+            return
+        record.extra["finished"] = True
+        self.traffic.finished(record)
         if record.status == 200 and record.t_first_byte and record.stream:
             pool = self.pools.get(record.pool)
             replica = pool.replicas.get(record.replica) if pool else None
             if replica is not None:
+                if record.client_disconnected:
+                    pass  # says nothing about the replica
+                elif record.error is None:
+                    replica.record_success()
+                else:  # the replica broke the stream mid-way: eject it as if it had failed before the first byte
+                    replica.record_failure(self.clock())
                 usage = record.usage or {}
                 completion = usage.get("completion_tokens") or 0
                 prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
@@ -373,6 +508,20 @@ class _RawResponse(Response):
         self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
 
 
+class _PreciseHubs:
+    """The precise pools' event hubs as one, for the metrics collector (pools come and go with reloads)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def clock(self) -> float:
+        return float(self._gateway.clock())
+
+    def iter_sources(self) -> Any:
+        for precise in list(self._gateway.precise.values()):
+            yield from precise.hub.iter_sources()
+
+
 def _usage_of(body: bytes) -> dict[str, Any] | None:
     try:
         obj = orjson.loads(body)
@@ -382,13 +531,13 @@ def _usage_of(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def build_app(config: GatewayConfig, config_path: str | None = None) -> Starlette:
+def build_app(config: GatewayConfig, config_path: str | None = None, resolver: Any = None) -> Starlette:
     """The ASGI app; with `config_path` the file is watched and reloadable (SIGHUP, /admin/reload)."""
     from gateway.admin import admin_routes
     from gateway.reload import ConfigReloader
     from gateway.routes import routes
 
-    gateway = Gateway(config)
+    gateway = Gateway(config, resolver=resolver)
     reloader = ConfigReloader(gateway, config_path)
 
     @asynccontextmanager

@@ -54,11 +54,15 @@ class RequestRecord:
     thinking_mode: str = ""
     prompt_tokens_est: int = 0
     matched_blocks: int = 0
+    first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
+    pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated
+    max_tokens: int | None = None  # the caller's explicit output cap, if any
     t_classified: float = 0.0
     t_routed: float = 0.0  # pool and replica chosen
     t_admitted: float = 0.0  # left the gateway's admission queue (== t_routed when nothing waited)
     t_sent: float = 0.0
-    t_first_byte: float = 0.0
+    t_headers: float = 0.0  # the replica's response headers arrived (a stream's headers precede its first token)
+    t_first_byte: float = 0.0  # first body bytes (streams: the first token's event)
     t_last_byte: float = 0.0
     status: int = 0
     attempts: int = 0
@@ -229,7 +233,10 @@ class StreamRelay:
                 out = filt.feed(self.first_chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+            first = not self.first_chunk
             async for chunk in self.upstream.content.iter_any():
+                if first:  # a replica sends a stream's headers at once: its first bytes are the first token's event
+                    record.t_first_byte, first = time.monotonic(), False
                 out = filt.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})

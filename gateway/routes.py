@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -14,6 +15,7 @@ from starlette.routing import Route
 
 from gateway.app import Gateway
 from gateway.errors import UpstreamFailure, error_response, rejected_response
+from gateway.metrics import metrics_routes
 from gateway.relay import RequestRecord
 from policies.errors import RequestRejected
 from policies.replica_choice import RoutingRequest
@@ -60,15 +62,29 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise RequestRejected(
             f"The request body must be a JSON object, not a JSON {type(body).__name__}.", code="invalid_type"
         )
+    # orjson reads 1024 levels of nesting but writes only 255, and the gateway writes bodies back (model alias,
+    # stream_options, /tokenize): refuse what it could not forward. Counting brackets is a cheap first filter.
+    if raw.count(b"[") + raw.count(b"{") > 255:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise RequestRejected("The request body is nested too deeply (over 255 levels of arrays/objects).",
+                                  code="invalid_json") from None
     return body
 
 
-def upstream_payload(body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool) -> tuple[bytes, bool]:
+def upstream_payload(
+    body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool, priority: int | None = None
+) -> tuple[bytes, bool]:
     """The body sent to the replica: unchanged bytes unless routing needs a change. Returns (payload, strip_usage).
 
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
-    gateway learns token counts (the client never sees that chunk unless it asked for it)."""
+    gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
+    class's, for pools whose vLLM schedules by priority (it replaces any the client sent)."""
     changed = False
+    if priority is not None and body.get("priority") != priority:
+        body["priority"] = priority
+        changed = True
     if body.get("model") != model:
         body["model"] = model
         changed = True
@@ -96,14 +112,19 @@ async def generate(request: Request) -> Any:
     record.extra["path"] = request.url.path
     gw.telemetry.start(record, request.headers)
     try:
-        raw = await read_body(request, gw.config.server.max_body_bytes)
+        client = gw.traffic.authenticate(request)  # no key, no body read, no pool
+        async with gw.traffic.body_deadline():
+            raw = await read_body(request, gw.config.server.max_body_bytes)
         body = parse_json_object(raw)
         gw.check_model(body)
+        gw.traffic.check_input(body, api)
         profile = await gw.classify(body, api, len(raw))
         record.stream = profile.stream
         record.thinking_mode = profile.thinking_mode
         choice, profile = await gw.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
         record.prompt_tokens_est = profile.prompt_tokens
+        record.first_pool, record.pool_reason = choice.pool.name, choice.reason
+        record.max_tokens = profile.output_budget if profile.budget_explicit else None
         record.t_classified = gw.clock()
         routing = RoutingRequest(
             prompt_tokens=profile.prompt_tokens,
@@ -111,22 +132,32 @@ async def generate(request: Request) -> Any:
             block_hashes=gw.prefix_blocks(body, api),
             session_key=session_key(request, body),
         )
-        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream)
         record.t_routed = gw.clock()
-        return await gw.forward(request, record, choice, profile, routing, payload, strip_usage)
+        admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait for a slot
+        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority)
+        return await gw.forward(request, record, admitted.choice, profile, routing, payload, strip_usage)
     except RequestRejected as exc:
         record.status, record.error = exc.status, exc.code or exc.type
         await gw.finished(record)
-        return rejected_response(exc)
+        return rejected_response(exc, gw.traffic.refusal_headers(record, exc))
     except UpstreamFailure as exc:
         record.status, record.error = exc.status, exc.code
         await gw.finished(record)
         headers = {"retry-after": "1"} if exc.status == 503 else None
         return exc.response(headers)
+    except BaseException as exc:  # cancelled, or a gateway bug (→ 500): slot, metrics and span must not leak
+        record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500
+        record.error = record.error or type(exc).__name__
+        await gw.finished(record)
+        raise
 
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    try:
+        gw.traffic.authenticate(request)
+    except RequestRejected as exc:
+        return rejected_response(exc)
     now = gw.clock()
     live = [p.config.max_model_len for p in gw.pools.values() if p.available(now)]
     max_len = max(live or [p.config.max_model_len for p in gw.pools.values()])
@@ -144,7 +175,9 @@ async def tokenize(request: Request) -> Any:
     gw: Gateway = request.app.state.gateway
     assert gw.session is not None
     try:
-        raw = await read_body(request, gw.config.server.max_body_bytes)
+        gw.traffic.authenticate(request)  # /tokenize reaches a replica: same keys as generation
+        async with gw.traffic.body_deadline():  # a body trickled in (slowloris) gets a 408, not a task forever
+            raw = await read_body(request, gw.config.server.max_body_bytes)
         body = parse_json_object(raw)
         gw.check_model(body)
     except RequestRejected as exc:
@@ -187,4 +220,5 @@ def routes() -> list[Route]:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        *metrics_routes(),
     ]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
+from gateway.errors import error_body
 from pools.config import ConfigError, load_config
 
 
@@ -26,9 +29,69 @@ def serve(config_path: str, host: str | None = None, port: int | None = None) ->
         host=host or config.server.host,
         port=port if port is not None else config.server.port,
         loop="uvloop",
-        http="httptools",
+        http=type("GatewayHttpProtocol", (GatewayHttpProtocol,),
+                  {"head_timeout_s": config.limits.body_read_timeout_s}),
         log_level="warning",
         access_log=False,
         timeout_keep_alive=30,
     )
     return 0
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, hardened against hostile clients.
+
+    - A request head (request line and headers) must arrive within `head_timeout_s` (limits.body_read_timeout_s,
+      read at start) of the connection opening, or of the request's first byte on a kept-alive connection; else
+      the client gets a 408 and the connection is closed. uvicorn alone waits forever, so connections that never
+      send, or send their headers a byte at a time (slowloris), would each hold a socket for good.
+    - A request that cannot be parsed gets an OpenAI-shaped JSON 400 instead of uvicorn's plain text.
+    """
+
+    head_timeout_s: float = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        self._send_error(400, "Bad Request", f"Malformed HTTP request: {msg}", "invalid_http_request")
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a pipelined head behind a response still being sent: that response's own timeouts apply
+        self._send_error(408, "Request Timeout", f"The request headers did not arrive within {self.head_timeout_s:g} "
+                         "s.", "request_timeout")
+
+    def _send_error(self, status: int, reason: str, message: str, code: str) -> None:
+        body = error_body(message, "invalid_request_error", None, code)
+        self.transport.write(
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n".encode() + body
+        )
+        self.transport.close()

@@ -34,4 +34,5 @@ class RequestRejected(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __repr__(self) -> str:
-        return f"RequestRejected(status={self.status}, code={self.code!r}, param={self.param!r}, message={self.message!r})"
+        return (f"RequestRejected(status={self.status}, code={self.code!r}, param={self.param!r}, "
+                f"message={self.message!r})")

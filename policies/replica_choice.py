@@ -46,6 +46,8 @@ __all__ = [
     "RoutingRequest",
     "PolicyName",
     "PrefixMatcher",
+    "PrefixMatch",
+    "RequestMatcher",
     "ChoiceParams",
     "Candidate",
     "RoundRobin",
@@ -85,6 +87,24 @@ class PrefixMatcher(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Matched leading blocks per replica (replicas with none may be left out), and which replicas were scored from
+    their own KV events rather than estimated."""
+
+    blocks: Mapping[str, int]
+    exact: frozenset[str] = frozenset()
+
+
+class RequestMatcher(PrefixMatcher, Protocol):
+    """A matcher that reads the whole request (pools.exact_index.HybridMatcher: exact block hashes where a replica's
+    KV-event view is fresh, approximate ones elsewhere). PrefixAffinity uses these methods when present."""
+
+    def match_request(self, request: RoutingRequest, replicas: Sequence[str]) -> PrefixMatch: ...
+
+    def record_request(self, request: RoutingRequest, replica: str, now: float) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class ChoiceParams:
     """Tunables of the filters, the TTFT model and the picker (defaults are starting points, see the loadtests)."""
 
@@ -116,6 +136,7 @@ class Candidate:
     uncached_tokens: int
     predicted_ttft_s: float
     load: float  # requests on it, for the bounded-load rule
+    source: str = ""  # where matched_blocks came from with a RequestMatcher: "exact" or "approx"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,6 +347,8 @@ class PrefixAffinity:
     "load_spill" (a replica with more of its prefix was passed over for load), "cold_rendezvous" (no replica holds
     any of it: rendezvous on its first block among the least-loaded, so repeats of a new prefix meet),
     "least_loaded" (prompt shorter than a block), "all_saturated" (every replica was saturated; the least bad won).
+    With a RequestMatcher (precise routing) an affinity hit says where its match came from: "affinity_hit:exact" (the
+    replica's own KV events) or "affinity_hit:approx" (estimated: no exact hashes, or the replica's events are stale).
     """
 
     def __init__(self, prefix_index: PrefixMatcher | None = None, params: ChoiceParams | None = None) -> None:
@@ -336,12 +359,18 @@ class PrefixAffinity:
             raise ValueError(f"unknown scorer weights {sorted(unknown)}; known: {sorted(SCORERS)}")
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key → (replica url, last sent)
         self._turn = 0
+        self._match_request = getattr(prefix_index, "match_request", None)  # a RequestMatcher's, when it is one
+        self._record_request = getattr(prefix_index, "record_request", None)
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
         """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
         params = self.params
         matches: Mapping[str, int] = {}
-        if self.prefix_index is not None and request.block_hashes:
+        exact: frozenset[str] | None = None
+        if self._match_request is not None:
+            found = self._match_request(request, [r.url for r in replicas if r.healthy and not r.draining])
+            matches, exact = found.blocks, found.exact
+        elif self.prefix_index is not None and request.block_hashes:
             matches = self.prefix_index.match_all(request.block_hashes)
         out: list[Candidate] = []
         prompt_tokens = request.prompt_tokens
@@ -356,7 +385,8 @@ class PrefixAffinity:
             per_waiting = r.in_flight_tokens / r.in_flight if r.in_flight else float(prompt_tokens)
             ttft = predict_ttft(r, uncached, waiting, running, per_waiting, chunk_tokens)
             saturated = saturation(r, params) is not None
-            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params)))
+            source = "" if exact is None else "exact" if url in exact else "approx"
+            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source))
         if not out:
             raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
         return out
@@ -382,6 +412,8 @@ class PrefixAffinity:
                     chosen, reason = spill, "load_spill"
         if all_saturated:
             reason = "all_saturated"
+        elif reason == "affinity_hit" and chosen.source:
+            reason = f"affinity_hit:{chosen.source}"  # exact (the replica's KV events) or approx (estimated)
 
         rest = [c for c in ranked if c is not chosen]
         if not all_saturated:  # saturated replicas are still worth a retry, last
@@ -397,7 +429,9 @@ class PrefixAffinity:
 
     def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
         """The request went to `replica`: its blocks are there now, and its session follows it."""
-        if self.prefix_index is not None and request.block_hashes:
+        if self._record_request is not None:
+            self._record_request(request, replica, now)
+        elif self.prefix_index is not None and request.block_hashes:
             self.prefix_index.record(replica, request.block_hashes, now)
         if request.session_key is not None:
             sessions = self._sessions

@@ -39,6 +39,8 @@ class RoutingRequest:
     output_budget: int
     block_hashes: tuple[int, ...] = ()  # chained prefix-block hashes (policies/prefix.py)
     session_key: str | None = None  # x-session-id header or body `user`
+    exact_block_hashes: tuple[int, ...] = ()  # vLLM's own block hashes of the prompt (policies/vllm_hash.py), when
+    # the pool routes precisely and the gateway could tokenize the request exactly; () otherwise
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,25 @@ reload, before it replaces the running one), so a typo can never take the servic
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pools.discovery import DnsDiscovery
 from pools.launch import LaunchSpec
@@ -28,6 +40,70 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class PreciseConfig(_Strict):
+    """Precise prefix routing: score replicas by the blocks they report holding (vLLM KV events) instead of an
+    estimate. The replicas must run with `--kv-events-config` and a reproducible `--prefix-caching-hash-algo`
+    (`launch.kv_events: true` renders both). Replicas whose event stream is stale are scored approximately."""
+
+    enabled: bool = Field(default=True, description="Off: this pool routes approximately (policies/prefix.py).")
+    tokenizer: Literal["local", "replica"] = Field(
+        default="local", description="local: the model folder's tokenizer.json and chat template, in the gateway; "
+        "replica: POST /tokenize on the chosen pool's replica (exact by construction, one more round trip).",
+    )
+    model_dir: str | None = Field(
+        default=None, description="Model folder with tokenizer.json and tokenizer_config.json (chat_template); "
+        "required with tokenizer: local.",
+    )
+    hash_algo: Literal["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"] = Field(
+        default="sha256_cbor", description="The replicas' --prefix-caching-hash-algo.",
+    )
+    hash_seed: str | None = Field(
+        default=None, description="The replicas' PYTHONHASHSEED, if set (it seeds vLLM's first-block hash).",
+    )
+    endpoint: str | None = Field(
+        default=None, description="The replicas' KV-event PUB endpoint as given to vLLM, e.g. tcp://*:5557 (`*` "
+        "becomes each replica's host). Unset: launch.kv_events_port when launch.kv_events, else each replica's "
+        "GET /kv_event_sources.",
+    )
+    replay_endpoint: str | None = Field(
+        default=None, description="Their replay (ROUTER) endpoint, e.g. tcp://*:5558; unset with `endpoint`: gaps "
+        "are not replayed (the replica is scored approximately for stale_after_failure_s).",
+    )
+    topic: str = Field(default="kv", description="The publisher's topic (launch renders \"kv\").")
+    data_parallel_size: int | None = Field(
+        default=None, ge=1, le=64, description="DP ranks per replica (rank r publishes on port + r); unset: "
+        "launch.data_parallel_size, else 1.",
+    )
+    max_tokenize_chars: int | None = Field(
+        default=1_000_000, gt=0, description="Longer prompts are tokenized and hashed on their head only (routing "
+        "needs the leading blocks; 1M tokens cost seconds of CPU). null: no limit.",
+    )
+    tokenize_timeout_s: float = Field(default=5.0, gt=0, description="tokenizer: replica — longest /tokenize wait.")
+    silent_after_s: float = Field(
+        default=10.0, gt=0, description="A replica sent new blocks but silent this long is scored approximately.",
+    )
+    pending_ttl_s: float = Field(
+        default=10.0, ge=0, description="Blocks just sent count as held this long, until their events arrive.",
+    )
+    stale_after_failure_s: float = Field(
+        default=30.0, ge=0, description="After lost history (failed replay, restart, undecodable batch): scored "
+        "approximately this long while the exact view rebuilds.",
+    )
+    replay_timeout_s: float = Field(default=5.0, gt=0, description="Longest wait for a replay's answer.")
+
+    @model_validator(mode="after")
+    def _usable(self) -> PreciseConfig:
+        if self.enabled and self.tokenizer == "local":
+            if not self.model_dir:
+                raise ValueError("tokenizer: local needs model_dir (a folder with tokenizer.json)")
+            if not (Path(self.model_dir) / "tokenizer.json").is_file():
+                raise ValueError(f"model_dir {self.model_dir!r} has no tokenizer.json")
+        if self.hash_algo.startswith("xxhash") and self.hash_seed is None:
+            raise ValueError(f"{self.hash_algo} hashes are seeded randomly per vLLM process: set hash_seed to the "
+                             "replicas' PYTHONHASHSEED, or use sha256_cbor")
+        return self
+
+
 class PoolConfig(_Strict):
     """A pool: vLLM replicas launched with the same `--max-model-len` and modalities."""
 
@@ -41,9 +117,16 @@ class PoolConfig(_Strict):
         default=None, gt=0, description="KV cache blocks per replica; read from vllm:cache_config_info when unset."
     )
     spill_upward: bool = Field(default=True, description="May overflow into the next larger pool when saturated.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs", description="The replicas' --scheduling-policy; with priority the gateway sends each "
+        "request's traffic-class priority in the body's `priority` field.",
+    )
     launch: LaunchSpec | None = Field(default=None, description="How the replicas are started (`m3gate pools render`).")
     discovery: DnsDiscovery | None = Field(
         default=None, description="Replicas from DNS (a Kubernetes headless Service) instead of, or besides, endpoints."
+    )
+    precise: PreciseConfig | None = Field(
+        default=None, description="Precise prefix routing from the replicas' KV events (prefix_affinity only).",
     )
 
     @field_validator("endpoints")
@@ -132,6 +215,241 @@ class AdminConfig(_Strict):
     watch_config: bool = Field(default=True, description="Reload the config file when it changes on disk.")
 
 
+TraceExporterName = Literal["otlp", "console", "discard"]
+OtlpProtocol = Literal["grpc", "http/protobuf"]
+
+
+class TracingConfig(_Strict):
+    """OpenTelemetry traces: off unless turned on here or by OTEL_TRACES_EXPORTER. Unset fields fall back to the
+    standard OTEL_* variables (endpoint, protocol, headers, sampler, service name), as any OTel SDK does."""
+
+    enabled: bool | None = Field(
+        default=None, description="On/off; unset: on when OTEL_TRACES_EXPORTER names otlp or console. "
+        "OTEL_SDK_DISABLED=true always turns it off."
+    )
+    exporter: TraceExporterName | None = Field(
+        default=None, description="otlp (a collector), console (stdout, debugging), discard (build spans, export "
+        "nothing: overhead benchmarks); unset: OTEL_TRACES_EXPORTER, else otlp."
+    )
+    endpoint: str | None = Field(
+        default=None, description="OTLP endpoint, e.g. http://otel-collector:4317; unset: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT."
+    )
+    protocol: OtlpProtocol | None = Field(
+        default=None, description="OTLP transport; unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc (as vLLM)."
+    )
+    service_name: str = Field(default="m3gate", description="service.name resource attribute; OTEL_SERVICE_NAME wins.")
+    sample_ratio: float | None = Field(
+        default=None, ge=0, le=1, description="Share of new traces kept (parent-based: a sampled caller is always "
+        "followed); unset: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, else every trace."
+    )
+
+
+class TelemetryConfig(_Strict):
+    """What the gateway reports about itself: Prometheus metrics on GET /metrics, and traces."""
+
+    metrics: bool = Field(default=True, description="Serve GET /metrics (and /metrics/targets for Prometheus).")
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Traffic control: classes and admission (gateway/admission.py), API keys and rate limits (gateway/access.py,
+# pools/rate_limit.py), input limits. Documented with examples in deploy/OPERATIONS.md.
+
+_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class TrafficClassConfig(_Strict):
+    """A traffic class: how its requests are ordered and bounded in every pool they use."""
+
+    priority: int = Field(
+        default=0, ge=-1_000_000, le=1_000_000,
+        description="Lower is served earlier: in the gateway's queue and, in pools with scheduling_policy: priority, "
+        "in vLLM's own queue (the request's `priority` field).",
+    )
+    max_concurrency: int = Field(
+        default=64, gt=0, description="Upstream requests of this class in flight per pool, per gateway process; "
+        "more wait in the gateway's queue.",
+    )
+    queue_length: int = Field(
+        default=256, ge=0, description="Requests of this class that may wait per pool; one more gets a 429. "
+        "0: never queue (503 while the pool is saturated).",
+    )
+    max_queue_wait_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Longest wait in the queue, then a 503 with Retry-After."
+    )
+    ttft_target_s: float = Field(
+        default=2.0, gt=0, description="Time-to-first-token objective; the admin view reports the observed p95 "
+        "against it.",
+    )
+    spill_upward: bool = Field(
+        default=True, description="While its pool is saturated, use a larger pool that has headroom (only where "
+        "the pools' own spill_upward allows it).",
+    )
+
+
+def _default_classes() -> dict[str, TrafficClassConfig]:
+    """The deployment guide's three classes: a 32K interactive pool, a 128K repository pool, an extended pool."""
+    return {
+        "interactive": TrafficClassConfig(
+            priority=0, max_concurrency=256, queue_length=512, max_queue_wait_s=10, ttft_target_s=1.0
+        ),
+        "repository": TrafficClassConfig(
+            priority=1, max_concurrency=32, queue_length=256, max_queue_wait_s=60, ttft_target_s=10.0
+        ),
+        "extended": TrafficClassConfig(
+            priority=2, max_concurrency=8, queue_length=64, max_queue_wait_s=120, ttft_target_s=60.0
+        ),
+    }
+
+
+class SaturationConfig(_Strict):
+    """When a replica counts as saturated, from its scraped vLLM metrics. A pool whose available replicas are all
+    saturated admits nothing more until one frees up; metrics older than `stale_after_s` are not trusted."""
+
+    max_waiting: int | None = Field(
+        default=8, gt=0, description="vllm:num_requests_waiting at or above this: saturated; null: not used."
+    )
+    max_kv_usage: float | None = Field(
+        default=0.98, gt=0, le=1, description="vllm:kv_cache_usage_perc at or above this: saturated; null: not used."
+    )
+    stale_after_s: float = Field(default=10.0, gt=0, description="Older metrics say nothing about saturation.")
+
+
+class TrafficConfig(_Strict):
+    """Traffic classes and admission: who waits, who spills, who is refused when a pool is saturated."""
+
+    classes: dict[str, TrafficClassConfig] = Field(
+        default_factory=_default_classes, description="Class name → its priority and limits (replaces the defaults "
+        "interactive / repository / extended when given).",
+    )
+    pool_classes: dict[str, str] = Field(
+        default_factory=dict, description="Pool name → the class of the requests it serves by default. Unlisted "
+        "pools: the class of the same name, else by size (smallest pool → highest-priority class).",
+    )
+    latency_sensitive_disabled_thinking: bool = Field(
+        default=True, description="Requests with thinking disabled get latency_class's priority even when long.",
+    )
+    latency_class: str | None = Field(
+        default=None, description="The class whose priority latency-sensitive requests get; unset: the class with "
+        "the lowest priority value.",
+    )
+    saturation: SaturationConfig = Field(default_factory=SaturationConfig)
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names(cls, classes: dict[str, TrafficClassConfig]) -> dict[str, TrafficClassConfig]:
+        if not classes:
+            raise ValueError("define at least one traffic class")
+        bad = [name for name in classes if not re.fullmatch(_NAME_PATTERN, name)]
+        if bad:
+            raise ValueError(f"class names may use letters, digits, '_', '.', '-' (1-64 characters): {bad}")
+        return classes
+
+    @model_validator(mode="after")
+    def _classes_known(self) -> TrafficConfig:
+        unknown = sorted({c for c in self.pool_classes.values() if c not in self.classes})
+        if self.latency_class is not None and self.latency_class not in self.classes:
+            unknown.append(self.latency_class)
+        if unknown:
+            raise ValueError(f"unknown traffic class(es) {unknown}; defined: {sorted(self.classes)}")
+        return self
+
+    def top_class(self) -> str:
+        """The latency class: configured, else the one served first."""
+        return self.latency_class or min(self.classes, key=lambda name: self.classes[name].priority)
+
+
+class ApiKeyConfig(_Strict):
+    """A client API key, stored only as its sha256 (`printf %s "$KEY" | sha256sum`)."""
+
+    name: str = Field(pattern=_NAME_PATTERN, description="Who the key belongs to: logs, metrics, fairness.")
+    key_sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", description="Hex sha256 of the key; the key is never stored.")
+    traffic_class: str | None = Field(default=None, description="Class of all this key's requests; unset: by pool.")
+    allowed_classes: list[str] = Field(
+        default_factory=list, description="Classes this key may ask for with the x-m3gate-class header.",
+    )
+    pools: list[str] | None = Field(default=None, description="Pools this key may use; unset: all.")
+    requests_per_minute: int | None = Field(default=None, gt=0, description="Across all gateway processes.")
+    tokens_per_minute: int | None = Field(
+        default=None, gt=0, description="Prompt estimate + output budget (max_tokens or the default reserve).",
+    )
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+
+class AccessConfig(_Strict):
+    """Client API keys (from `keys` and `keys_file`) and how their rate limits are shared. Without any key the
+    gateway is open to anyone who can reach it (it says so loudly at start)."""
+
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    keys_file: str | None = Field(
+        default=None, description="YAML file with more keys (a list, or {keys: [...]}); read at load and on "
+        "reload (SIGHUP, POST /admin/reload). Relative paths are from the working directory.",
+    )
+    rate_limit_redis: str | None = Field(
+        default=None, description="redis://host:port/db holding rate-limit counters; unset: the `state` URL, and "
+        "in memory (per process) when neither is set or Redis is unreachable.",
+    )
+    rate_limit_prefix: str = Field(default="m3gate:rl:", min_length=1, description="Prefix of the Redis keys.")
+    redis_timeout_s: float = Field(default=0.25, gt=0, le=10, description="Longest wait for Redis per request.")
+    redis_retry_s: float = Field(default=2.0, gt=0, description="After Redis failed, use memory this long.")
+    _file_keys: list[ApiKeyConfig] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _load_keys_file(self) -> AccessConfig:
+        if self.keys_file:
+            self._file_keys = _read_keys_file(Path(self.keys_file))
+        keys = self.all_keys()
+        for what, values in (("names", [k.name for k in keys]), ("hashes", [k.key_sha256 for k in keys])):
+            dup = sorted({v for v in values if values.count(v) > 1})
+            if dup:
+                raise ValueError(f"API key {what} must be unique; repeated: {dup}")
+        return self
+
+    def all_keys(self) -> list[ApiKeyConfig]:
+        return [*self.keys, *self._file_keys]
+
+
+def _read_keys_file(path: Path) -> list[ApiKeyConfig]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read keys_file {str(path)!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"keys_file {str(path)!r} is not valid YAML: {exc}") from None
+    entries = data.get("keys") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"keys_file {str(path)!r} must hold a list of keys (or a mapping with `keys:`)")
+    keys = []
+    for i, entry in enumerate(entries):
+        try:
+            keys.append(ApiKeyConfig.model_validate(entry))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"keys_file {str(path)!r}, entry {i}: {where}: {first['msg']}") from None
+    return keys
+
+
+class InputLimitsConfig(_Strict):
+    """Bounds on what one request may carry (the body's size is server.max_body_bytes); beyond them: a 4xx."""
+
+    max_messages: int = Field(default=10_000, gt=0, description="messages (chat, Anthropic) or input items.")
+    max_images: int = Field(default=100, ge=0, description="Images in one request.")
+    max_image_data_url_bytes: int = Field(
+        default=20 * 1024 * 1024, gt=0, description="Length of one inline image (data: URL or base64 source).",
+    )
+    max_header_bytes: int = Field(default=32 * 1024, gt=0, description="All request headers together: else 431.")
+    body_read_timeout_s: float = Field(
+        default=30.0, gt=0, description="The whole body must arrive within this (slow clients get a 408).",
+    )
+
+
 class GatewayConfig(_Strict):
     """Top of the config tree: `m3gate config schema` prints its JSON schema for editors."""
 
@@ -143,6 +461,10 @@ class GatewayConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     state: str | None = Field(default=None, description="redis://host:port/db to share routing state; memory if unset.")
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    traffic: TrafficConfig = Field(default_factory=TrafficConfig)
+    access: AccessConfig = Field(default_factory=AccessConfig)
+    limits: InputLimitsConfig = Field(default_factory=InputLimitsConfig)
 
     @model_validator(mode="after")
     def _pools_consistent(self) -> GatewayConfig:
@@ -150,6 +472,29 @@ class GatewayConfig(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"pool names must be unique; repeated: {sorted(dup)}")
+        return self
+
+    @model_validator(mode="after")
+    def _traffic_consistent(self) -> GatewayConfig:
+        """Classes, pools and keys that name each other must exist; the admin key is never also a client key."""
+        pools = {p.name for p in self.pools}
+        classes = self.traffic.classes
+        problems = [f"traffic.pool_classes names pool '{p}', which is not configured"
+                    for p in self.traffic.pool_classes if p not in pools]
+        for key in self.access.all_keys():
+            unknown = [c for c in (key.traffic_class, *key.allowed_classes) if c is not None and c not in classes]
+            if unknown:
+                problems.append(f"API key '{key.name}' names unknown traffic class(es) {unknown}; "
+                                f"defined: {sorted(classes)}")
+            missing = [p for p in key.pools or () if p not in pools]
+            if missing:
+                problems.append(f"API key '{key.name}' allows unknown pool(s) {missing}; configured: {sorted(pools)}")
+        if self.admin.api_key is not None:
+            admin_hash = hashlib.sha256(self.admin.api_key.get_secret_value().encode()).hexdigest()
+            if any(hmac.compare_digest(k.key_sha256, admin_hash) for k in self.access.all_keys()):
+                problems.append("admin.api_key is also a client API key; give the admin API its own key")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def pools_by_size(self) -> list[PoolConfig]:

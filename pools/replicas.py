@@ -17,6 +17,7 @@ from pools.shared_state import SharedState
 EWMA_ALPHA = 0.2
 EJECT_BASE_S = 1.0
 EJECT_MAX_S = 30.0
+EJECT_AFTER_5XX = 3  # consecutive 5xx answers before a replica that still answers is ejected
 
 
 @dataclass
@@ -112,9 +113,13 @@ class Replica:
         return LoadGuard(self, tokens)
 
     # passive health -------------------------------------------------------------------------------------------
-    def record_failure(self, now: float) -> None:
-        """A connection error or 5xx: eject with exponential back-off so a dead replica stops costing retries."""
+    def record_failure(self, now: float, answered: bool = False) -> None:
+        """A connection error, timeout or broken stream: eject with exponential back-off so a dead replica stops
+        costing retries. A 5xx the replica `answered` ejects only once EJECT_AFTER_5XX come in a row: the replica is
+        up, and one request that makes it fail (a client's malformed input) must not take it out of rotation."""
         self.consecutive_failures += 1
+        if answered and self.consecutive_failures < EJECT_AFTER_5XX:
+            return
         backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (self.consecutive_failures - 1))
         self.ejected_until = now + backoff
         self.ejections += 1

@@ -1,0 +1,413 @@
+"""Traffic control on the request path: API keys, input limits, traffic classes, rate limits and admission, behind
+one object (`TrafficControl`) that the gateway calls a few times per request:
+
+    client = traffic.authenticate(request)              # 431 / 401, before the body is read
+    async with traffic.body_deadline(): read the body    # 408 for a body that never arrives
+    traffic.check_input(body, api)                       # too many messages or images, oversized inline images
+    admitted = await traffic.admit(...)                  # 403 / 429 / 503, or a slot (maybe after waiting)
+    ... forward ...; traffic.finished(record)            # frees the slot when the upstream request has ended
+
+Admission itself (`AdmissionControl`) turns policies/admission.py's pure state into waiting: a queued request awaits
+a future that a freed slot resolves, while watching its client; a client that leaves is taken out of the queue at
+once, and a request that waited `max_queue_wait_s` is refused with 503. Slots are per process (the class limits are
+per gateway process; rate limits are the part shared across processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import Receive
+
+from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
+from gateway.relay import RequestRecord
+from policies.admission import PoolGate, RetryLater, Waiter, retry_after_s
+from policies.classify import RequestProfile
+from policies.errors import RequestRejected
+from policies.pool_choice import PoolChoice
+from policies.traffic import CLASS_HEADER, check_input_limits, request_priority, resolve_class, restrict_to_key
+from pools.config import GatewayConfig, TrafficClassConfig, TrafficConfig
+from pools.rate_limit import RateLimiter, openai_duration, rate_limit_headers
+
+log = logging.getLogger("m3gate.admission")
+
+TICK_S = 0.05  # how often queued requests are re-checked while replicas are saturated (metrics change, no event)
+TICKET_KEY = "admission_ticket"  # where a request's slot is kept on its RequestRecord.extra
+_RATE_HEADERS = "ratelimit_headers"
+_TTFT_SAMPLES = 1024
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited for a slot."""
+
+
+class Ticket:
+    """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
+    replica's LoadGuard; `__del__` is only the last line of defence)."""
+
+    __slots__ = ("_owner", "pool", "cls")
+
+    def __init__(self, owner: AdmissionControl, pool: str, cls: str) -> None:
+        self._owner: AdmissionControl | None = owner
+        self.pool = pool
+        self.cls = cls
+
+    def release(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release(self.pool, self.cls)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class AdmissionControl:
+    """Per-pool slots, queues and spill for this gateway process."""
+
+    def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+        self.clock = clock
+        self.saturated = saturated
+        self.gates: dict[str, PoolGate] = {}
+        self.counters: Counter[str] = Counter()
+        self._wake = asyncio.Event()
+        self._ticker: asyncio.Task[None] | None = None
+        self.apply_config(traffic)
+
+    def apply_config(self, traffic: TrafficConfig) -> None:
+        """New limits apply at once: a raised limit lets waiters in at the next pump."""
+        self.traffic = traffic
+        self._limits = {name: c.max_concurrency for name, c in traffic.classes.items()}
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick(), name="m3gate-admission")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            try:
+                await self._ticker
+            except asyncio.CancelledError:
+                pass
+            self._ticker = None
+        for gate in self.gates.values():
+            for waiter in gate.queue:
+                gate.queue.remove(waiter)
+                if not waiter.handle.done():
+                    waiter.handle.set_exception(RetryLater(
+                        "The gateway is shutting down; retry the request (another gateway will take it).",
+                        status=503, type="server_error", code="shutting_down", retry_after_s=1))
+
+    # request path --------------------------------------------------------------------------------------------
+    async def admit(self, receive: Receive, pools: Sequence[str], cls: str, priority: int, fairness_key: str
+                    ) -> tuple[str, Ticket]:
+        """A slot in `pools[0]`, or in a later pool with headroom (spill), or after waiting in `pools[0]`'s queue.
+        Raises RetryLater (429 queue full, 503 waited too long / no queue) or ClientGone."""
+        cfg = self.traffic.classes.get(cls)
+        if cfg is None:  # a reload removed the class while this request was being classified
+            raise RetryLater(f"Traffic class '{cls}' was just removed from the configuration; retry the request.",
+                             status=503, type="server_error", code="traffic_class_removed", retry_after_s=1)
+        home = pools[0]
+        gate = self._gate(home)
+        self._pump(home)  # whoever is already waiting goes first
+        if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
+            return home, self._grant(gate, home, cls)
+        if cfg.spill_upward:
+            for name in pools[1:]:
+                other = self._gate(name)
+                if not len(other.queue) and other.has_room(cls, cfg.max_concurrency, self.saturated(name)):
+                    self.counters["spilled"] += 1
+                    return name, self._grant(other, name, cls)
+        if gate.queue.queued(cls) >= cfg.queue_length:
+            self.counters["rejected_queue_full"] += 1
+            raise self._refusal(home, gate, cfg, cls, priority, "full" if cfg.queue_length else "no_queue")
+        waiter = Waiter(cls, fairness_key, priority, self.clock(), asyncio.get_running_loop().create_future())
+        gate.queue.push(waiter)
+        self.counters["queued"] += 1
+        self._wake.set()
+        if await self._wait(gate, waiter, receive, cfg.max_queue_wait_s):
+            return home, waiter.handle.result()
+        self.counters["rejected_wait"] += 1
+        raise self._refusal(home, gate, cfg, cls, priority, "waited")
+
+    def release(self, pool: str, cls: str) -> None:
+        gate = self.gates.get(pool)
+        if gate is None:
+            return
+        gate.free_slot(cls, self.clock())
+        self._pump(pool)
+
+    # internals -----------------------------------------------------------------------------------------------
+    def _gate(self, pool: str) -> PoolGate:
+        gate = self.gates.get(pool)
+        if gate is None:
+            gate = self.gates[pool] = PoolGate()
+        return gate
+
+    def _grant(self, gate: PoolGate, pool: str, cls: str) -> Ticket:
+        gate.take_slot(cls)
+        self.counters["admitted"] += 1
+        return Ticket(self, pool, cls)
+
+    def _pump(self, pool: str) -> None:
+        """Admit waiters of `pool` in order while slots are free; each gets its ticket through its future."""
+        gate = self.gates.get(pool)
+        if gate is None or not len(gate.queue):
+            return
+        for waiter in gate.admit_waiting(self._limits, self.saturated(pool)):
+            ticket = Ticket(self, pool, waiter.cls)
+            if waiter.handle.done():  # its handler is already gone: give the slot straight back
+                ticket.release()
+            else:
+                self.counters["admitted"] += 1
+                waiter.handle.set_result(ticket)
+
+    async def _wait(self, gate: PoolGate, waiter: Waiter, receive: Receive, timeout_s: float) -> bool:
+        """True once the waiter holds a slot (its future's result); False when it waited `timeout_s` in vain (it
+        has left the queue). Raises ClientGone when the client disconnected (slot or place given back at once)."""
+        future: asyncio.Future[Ticket] = waiter.handle
+        watch = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((future, watch), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            gone = watch.done()
+        except BaseException:  # the handler itself is being cancelled: leave no slot or queue entry behind
+            self._abandon(gate, waiter)
+            raise
+        finally:
+            watch.cancel()
+        if future.done():
+            ticket = future.result()  # raises the shutdown refusal, if that is what ended the wait
+            if gone:
+                ticket.release()
+                raise ClientGone
+            return True
+        gate.queue.remove(waiter)
+        future.cancel()
+        if gone:
+            self.counters["left_queue"] += 1
+            raise ClientGone
+        return False
+
+    def _abandon(self, gate: PoolGate, waiter: Waiter) -> None:
+        future = waiter.handle
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+        else:
+            gate.queue.remove(waiter)
+            future.cancel()
+
+    async def _tick(self) -> None:
+        """While anything waits, re-check every TICK_S: replica saturation and reloaded limits change without a
+        slot being freed."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(TICK_S)
+            for pool in list(self.gates):
+                self._pump(pool)
+            if not any(len(g.queue) for g in self.gates.values()):
+                self._wake.clear()
+
+    def _refusal(self, pool: str, gate: PoolGate, cfg: TrafficClassConfig, cls: str, priority: int, why: str
+                 ) -> RetryLater:
+        rate = gate.drain.per_second(self.clock())
+        if why == "full":
+            wait = retry_after_s(gate.queue.queued(cls), rate, cfg.max_queue_wait_s)
+            return RetryLater(
+                f"Pool '{pool}' is saturated and its queue for traffic class '{cls}' is full ({cfg.queue_length} "
+                f"waiting). Retry in {wait} s (Retry-After), or send fewer requests at once.",
+                status=429, code="queue_full", retry_after_s=wait)
+        wait = retry_after_s(gate.queue.ahead(priority), rate, cfg.max_queue_wait_s)
+        if why == "waited":
+            message = (f"Pool '{pool}' had no free slot for traffic class '{cls}' within {cfg.max_queue_wait_s:g} s "
+                       f"(max_queue_wait_s). It is overloaded; retry in {wait} s (Retry-After).")
+        else:
+            message = (f"Pool '{pool}' has no capacity for traffic class '{cls}' right now and this class does not "
+                       f"queue (queue_length: 0). Retry in {wait} s (Retry-After).")
+        return RetryLater(message, status=503, type="server_error",
+                          code="queue_timeout" if why == "waited" else "no_capacity", retry_after_s=wait)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The pools to forward to (the admitted one first) and the `priority` to send to vLLM, if any."""
+
+    choice: PoolChoice
+    priority: int | None
+
+
+class TrafficControl:
+    """Keys, input limits, classes, rate limits and admission for one gateway process."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+        self.config = config
+        self.clock = clock
+        self.keys = KeyStore(config.access.all_keys())
+        access = config.access
+        self.rate = RateLimiter(access.rate_limit_redis or config.state, prefix=access.rate_limit_prefix,
+                                timeout_s=access.redis_timeout_s, retry_s=access.redis_retry_s)
+        self.admission = AdmissionControl(config.traffic, clock, saturated)
+        self._ttft: dict[str, deque[float]] = {}
+
+    def apply_config(self, config: GatewayConfig) -> list[str]:
+        """Keys, classes and limits change at once; returns notes about what needs a restart."""
+        notes = []
+        old = self.config.access
+        if (old.rate_limit_redis or self.config.state) != (config.access.rate_limit_redis or config.state):
+            notes.append("the rate-limit Redis URL changes on restart")
+        self.config = config
+        self.keys = KeyStore(config.access.all_keys())
+        self.admission.apply_config(config.traffic)
+        return notes
+
+    async def start(self) -> None:
+        if self.keys.open:
+            log.warning(OPEN_GATEWAY_WARNING)
+        await self.rate.start()
+        self.admission.start()
+
+    async def stop(self) -> None:
+        await self.admission.stop()
+        await self.rate.stop()
+
+    # request path --------------------------------------------------------------------------------------------
+    def authenticate(self, request: Request) -> Client:
+        check_header_size(request.scope["headers"], self.config.limits.max_header_bytes)
+        return self.keys.authenticate(request.headers)
+
+    def body_deadline(self) -> Any:
+        return body_deadline(self.config.limits.body_read_timeout_s)
+
+    def check_input(self, body: dict[str, Any], api: str) -> None:
+        check_input_limits(body, api, self.config.limits)
+
+    async def admit(self, request: Request, record: RequestRecord, client: Client, profile: RequestProfile,
+                    choice: PoolChoice) -> Admitted:
+        """Key's pools (403) → class → rate limits (429) → a slot (queue, spill, 429, 503); sets the record's
+        traffic_class and t_admitted, and keeps the slot on the record until `finished`."""
+        traffic = self.config.traffic
+        choice = restrict_to_key(choice, client.key, forced=choice.reason == "forced")
+        cls = resolve_class(traffic, self.config.pools_by_size(), _natural_pool(choice),
+                            request.headers.get(CLASS_HEADER), client.key)
+        record.traffic_class = cls
+        priority = request_priority(traffic, cls, profile.thinking_mode)
+        await self._rate_limit(client, profile, record)
+        names = [p.name for p in choice.candidates]
+        try:
+            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id)
+        except ClientGone:
+            record.client_disconnected = True
+            raise RequestRejected("The client closed the connection while its request waited for capacity.",
+                                  status=499, code="client_closed_request") from None
+        record.extra[TICKET_KEY] = ticket
+        record.t_admitted = self.clock()
+        if pool != choice.pool.name:
+            at = names.index(pool)
+            choice = replace(choice, pool=choice.candidates[at], candidates=choice.candidates[at:],
+                             reason=f"spill:{choice.pool.name}")
+        if choice.pool.scheduling_policy != "priority":
+            return Admitted(choice, None)
+        # vLLM refuses a priority it does not schedule by: only pools that do may take this request, even on retry
+        same = tuple(p for p in choice.candidates if p.scheduling_policy == "priority")
+        return Admitted(replace(choice, candidates=same), priority)
+
+    async def _rate_limit(self, client: Client, profile: RequestProfile, record: RequestRecord) -> None:
+        key = client.key
+        if key is None or not (key.requests_per_minute or key.tokens_per_minute):
+            return
+        cost = profile.prompt_tokens + profile.output_budget
+        if key.tokens_per_minute and cost > key.tokens_per_minute:
+            raise RequestRejected(
+                f"Request too large for API key '{key.name}' on tokens per minute (TPM): limit "
+                f"{key.tokens_per_minute:,}, requested about {cost:,} (prompt estimate + output budget). Lower "
+                "max_tokens or shorten the input.",
+                status=429, type="tokens", code="rate_limit_exceeded")
+        decision = await self.rate.check(client.key_id, key.requests_per_minute, key.tokens_per_minute, cost)
+        record.extra[_RATE_HEADERS] = rate_limit_headers(decision)
+        if decision is None or decision.allowed:
+            return
+        requests = decision.requests is not None and decision.requests.remaining < 1
+        dim, quota = ("requests", decision.requests) if requests else ("tokens", decision.tokens)
+        assert quota is not None
+        wait = max(1, math.ceil(decision.retry_after_s))
+        raise RetryLater(
+            f"Rate limit reached for {dim} per minute on API key '{key.name}': limit {quota.limit:,}, remaining "
+            f"{quota.remaining:,}, requested {1 if requests else cost:,}. Please try again in "
+            f"{openai_duration(decision.retry_after_s)}.",
+            status=429, type=dim, code="rate_limit_exceeded", retry_after_s=wait)
+
+    def response_headers(self, record: RequestRecord) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers, on every response once the key's quota was checked."""
+        return record.extra.get(_RATE_HEADERS) or {}
+
+    def refusal_headers(self, record: RequestRecord, exc: RequestRejected) -> dict[str, str]:
+        headers = dict(self.response_headers(record))
+        if isinstance(exc, RetryLater):
+            headers["retry-after"] = str(exc.retry_after_s)
+        return headers
+
+    def finished(self, record: RequestRecord) -> None:
+        """The upstream request has ended (or never started): free its slot, note its first-token latency."""
+        ticket = record.extra.pop(TICKET_KEY, None)
+        if ticket is not None:
+            ticket.release()
+            if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:
+                samples = self._ttft.setdefault(record.traffic_class, deque(maxlen=_TTFT_SAMPLES))
+                samples.append(record.t_first_byte - record.t_arrival)
+
+    # operators -----------------------------------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        """What GET /admin/traffic shows: per pool and class, slots in use and waiting; per class, observed
+        time to first token against its target; the rate limiter's backend; counters since start."""
+        now = self.clock()
+        classes = self.config.traffic.classes
+        pools = {}
+        for name, gate in self.admission.gates.items():
+            pools[name] = {
+                "drain_per_s": round(gate.drain.per_second(now) or 0.0, 3),
+                "saturated": self.admission.saturated(name),
+                "classes": {c: {"in_flight": gate.in_flight.get(c, 0), "queued": gate.queue.queued(c)}
+                            for c in sorted({*gate.in_flight, *(w.cls for w in gate.queue)})},
+            }
+        ttft = {}
+        for cls, cfg in classes.items():
+            samples = sorted(self._ttft.get(cls, ()))
+            p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)] if samples else None
+            ttft[cls] = {"priority": cfg.priority, "max_concurrency": cfg.max_concurrency,
+                         "queue_length": cfg.queue_length, "max_queue_wait_s": cfg.max_queue_wait_s,
+                         "ttft_target_s": cfg.ttft_target_s, "ttft_p95_s": None if p95 is None else round(p95, 4),
+                         "ttft_samples": len(samples),
+                         "meets_target": None if p95 is None else p95 <= cfg.ttft_target_s}
+        return {"open": self.keys.open, "keys": len(self.config.access.all_keys()),
+                "rate_limits": "redis" if self.rate.shared else "memory",
+                "classes": ttft, "pools": pools, "counters": dict(self.admission.counters)}
+
+
+def _natural_pool(choice: PoolChoice) -> str:
+    """The pool that fits the request, before pool choice spilled it past a saturated one: its class is the
+    request's default class wherever it ends up."""
+    return choice.reason[6:] if choice.reason.startswith("spill:") else choice.pool.name
+
+
+async def admin_traffic(request: Request) -> Any:
+    """GET /admin/traffic (registered with the admin routes; same admin-key guard)."""
+    from starlette.responses import JSONResponse
+
+    from gateway.admin import _authorized
+
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return JSONResponse(request.app.state.gateway.traffic.view())
+

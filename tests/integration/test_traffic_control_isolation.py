@@ -1,0 +1,26 @@
+"""Isolation between traffic classes: a burst of long requests that saturates the repository pool raises interactive
+time-to-first-token p95 by at most 20% (a bounded run of loadtests/bench_isolation.py, with vLLM-like simulated
+timing: two phases of 6 s at 8 interactive requests per second, a burst of 32 ~15K-token jobs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.bench_isolation import TARGET_RATIO, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_repository_burst_does_not_slow_interactive_first_tokens() -> None:
+    # The test host is shared: a neighbour's CPU spike in one phase can move a p95 of 48 samples on its own. One
+    # re-measure absorbs that; a real regression (the gateway or the pools no longer isolating) fails both runs.
+    results = []
+    for _ in range(2):
+        result = run(rate=8.0, seconds=6.0, burst=32, repo_concurrency=4)
+        results.append(result)
+        print("\n" + result.report())
+        assert result.burst_upstream == 4, "the repository class limit should hold exactly 4 long jobs upstream"
+        assert len(result.baseline) == len(result.burst) == 48
+        if result.ratio <= TARGET_RATIO:
+            break
+    assert results[-1].ratio <= TARGET_RATIO, [round(r.ratio, 3) for r in results]
