@@ -27,22 +27,28 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pools.sim.behaviour import plan_output
-from pools.sim.engine import Engine, EngineBusy, SimRequest
+from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.faults import FaultUpdate, Faults
-from pools.sim.metrics import CONTENT_TYPE, SimMetrics
+from pools.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
+from pools.sim.kv_events import SimEventPublisher, parse_kv_events_config, vllm_hashes
 from pools.sim.prefix_cache import block_hashes
 from pools.sim.protocol import (
     JSON,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     MessagesRequest,
     ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     bad_request,
+    check_sampling,
     not_found_model,
     parse_json,
+    precheck_chat,
+    precheck_completion,
+    precheck_tokenize_chat,
     unsupported_media_type,
     validate,
     vllm_validation_error,
@@ -50,6 +56,7 @@ from pools.sim.protocol import (
 from pools.sim.settings import VLLM_VERSION, SimSettings
 from pools.sim.shapes import (
     ChatShape,
+    Choice,
     CompletionShape,
     Generation,
     MessagesShape,
@@ -58,6 +65,7 @@ from pools.sim.shapes import (
 )
 from pools.sim.tokenizer import (
     ChatFormatError,
+    ByteChunkTokenizer,
     IdTokens,
     MediaItem,
     Tokens,
@@ -115,21 +123,21 @@ class SimApp:
         self.settings = settings
         self.tokenizer = load_tokenizer(settings.tokenizer_dir)
         self.served_name = settings.model_names[0]
-        cache_labels = {
-            "block_size": str(settings.block_size), "cache_dtype": "auto", "calculate_kv_scales": "False",
-            "enable_prefix_caching": str(settings.enable_prefix_caching), "gpu_memory_utilization": "0.9",
-            "is_attention_free": "False", "num_cpu_blocks": "None", "num_gpu_blocks": str(settings.kv_blocks),
-            "num_gpu_blocks_override": "None", "prefix_caching_hash_algo": "sha256", "sliding_window": "None",
-            "swap_space": "4"}
+        cache_labels = cache_config_labels(
+            block_size=settings.block_size, num_gpu_blocks=settings.kv_blocks,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            hash_algo=settings.prefix_caching_hash_algo or "sha256", max_model_len=settings.max_model_len)
         self.metrics = SimMetrics(self.served_name, settings.max_model_len, cache_labels)
+        self.kv_events = _event_publisher(settings)  # None unless --kv-events-config turns events on
         self.engine = Engine(num_blocks=settings.kv_blocks, block_size=settings.block_size,
                              max_num_seqs=settings.max_num_seqs,
                              max_num_batched_tokens=settings.max_num_batched_tokens, cost=settings.cost,
                              metrics=self.metrics, enable_prefix_caching=settings.enable_prefix_caching,
                              max_num_queued_reqs=settings.max_num_queued_reqs,
-                             max_num_queued_tokens=settings.max_num_queued_tokens)
+                             max_num_queued_tokens=settings.max_num_queued_tokens, cache_sink=self.kv_events)
         self.faults = Faults(settings.faults, settings.seed)
         self.http = HttpCounters()
+        self._mm_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # vLLM's mm processor cache
         self.listener: ListenerControl | None = None
         self._resume_timer: asyncio.TimerHandle | None = None
         self.started_at = int(time.time())
@@ -161,11 +169,13 @@ class SimApp:
             Route("/v1/messages", self._guarded(self.messages), methods=["POST"]),
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/load", self.load, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/kv_event_sources", self.kv_event_sources, methods=["GET"]),
             Route("/sim/faults", self.faults_route, methods=["GET", "POST"]),
             Route("/sim/stats", self.stats_route, methods=["GET"]),
             Route("/sim/reset", self.reset_route, methods=["POST"]),
@@ -188,11 +198,15 @@ class SimApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self.engine.start()
         try:
             yield
         finally:
             await self.engine.stop()
+            if self.kv_events is not None:
+                await self.kv_events.stop()
 
     # ---- shared request handling -----------------------------------------------------------------------------
 
@@ -223,9 +237,11 @@ class SimApp:
         return self.settings.video_tokens if kind == "video" else self.settings.image_tokens
 
     async def _prepare(self, text: str, *, add_special_tokens: bool, salt: str | None) -> Prompt:
+        self._check_chars(text)
+
         def work() -> Prompt:
             tokens = self.tokenizer.encode(text, add_special_tokens)
-            return Prompt(tokens, block_hashes(tokens, self.settings.block_size, salt),
+            return Prompt(tokens, self._block_hashes(tokens, salt),
                           xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass")))
 
         if self.tokenizer.expensive(text):
@@ -234,19 +250,40 @@ class SimApp:
 
     def _prepare_ids(self, ids: list[int], salt: str | None) -> Prompt:
         tokens = IdTokens(ids)
-        return Prompt(tokens, block_hashes(tokens, self.settings.block_size, salt),
+        return Prompt(tokens, self._block_hashes(tokens, salt),
                       xxhash.xxh3_64_intdigest(tokens.span_bytes(0, len(ids))), text_prompt=False)
+
+    def _block_hashes(self, tokens: Tokens, salt: str | None) -> list[int]:
+        """vLLM's own hashes with --prefix-caching-hash-algo (what KV events publish), else the fast internal one."""
+        algo = self.settings.prefix_caching_hash_algo
+        if algo:
+            return vllm_hashes(tokens, self.settings.block_size, salt, algo)
+        return block_hashes(tokens, self.settings.block_size, salt)
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      add_generation_prompt: bool, continue_final_message: bool,
-                     template_kwargs: dict[str, Any]) -> str:
-        openai_parts = getattr(self.tokenizer, "openai_content_format", False)
+                     template_kwargs: dict[str, Any], *, reasoning_alias: bool = False,
+                     media_out: list[MediaItem] | None = None) -> str:
+        """vLLM's chat rendering: messages parsed (media checked), then transformers' apply_chat_template checks
+        and the template. `reasoning_alias`: the chat-completions request reads `reasoning_content` as
+        `reasoning`; `media_out` collects the media items."""
         try:
-            chat = normalize_messages(messages, openai_parts=openai_parts,
-                                      placeholder=lambda m: placeholder_text(m, self._media_tokens(m.kind)))
+            chat = normalize_messages(messages, openai_parts=self.tokenizer.content_format == "openai",
+                                      placeholder=lambda m: placeholder_text(m, self._media_tokens(m.kind)),
+                                      reasoning_alias=reasoning_alias)
         except ChatFormatError as exc:
             raise bad_request(str(exc)) from None
         self._check_media(chat.media)
+        if media_out is not None:
+            media_out.extend(chat.media)
+            self._count_mm_cache(chat.media)
+        if not chat.messages:
+            raise bad_request("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                "when you want the model to continue the final message, and add_generation_prompt when you want to "
+                "add a header that will prompt it to start a new assistant message instead.")
         try:
             return self.tokenizer.render_chat(chat.messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message,
@@ -254,36 +291,66 @@ class SimApp:
         except ChatFormatError as exc:
             raise bad_request(str(exc)) from None
 
+    def _count_mm_cache(self, media: list[MediaItem]) -> None:
+        """vllm:mm_cache_queries/hits: each media item of a generate request is looked up by its content."""
+        if not media:
+            return
+        hits = 0
+        for item in media:
+            key = f"{item.kind}:{item.key}"
+            if key in self._mm_seen:
+                hits += 1
+                self._mm_seen.move_to_end(key)
+            else:
+                self._mm_seen[key] = None
+                if len(self._mm_seen) > 4096:
+                    self._mm_seen.popitem(last=False)
+        self.metrics.mm_cache_queries.inc(len(media))
+        self.metrics.mm_cache_hits.inc(hits)
+
+    def _check_chars(self, text: str) -> None:
+        """vLLM's pre-tokenization check: more characters than max_model_len x the longest vocabulary entry cannot
+        fit, whatever the tokenizer would say."""
+        limit = self.settings.max_model_len
+        bound = limit * self.tokenizer.max_chars_per_token
+        if len(text) > bound:
+            raise vllm_validation_error(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains {len(text)} "
+                f"characters (more than {bound} characters, which is the upper bound for {limit} input tokens). "
+                f"Please reduce the length of the input prompt.", "input_text", len(text))
+
     def _check_prompt(self, prompt: Prompt) -> int:
         n = prompt.tokens.count
         limit = self.settings.max_model_len
         if n == 0:
             raise bad_request("The decoder prompt cannot be empty")
         if n > limit:
+            # Text is tokenized with truncation at max+1, so its count reads "at least max+1"; token ids are counted
+            # exactly, and vLLM says "at least" whenever the count is max+1.
             shown = n if not prompt.text_prompt else limit + 1
-            prefix = "" if not prompt.text_prompt else "at least "
+            prefix = "at least " if shown == limit + 1 else ""
             raise vllm_validation_error(
                 f"This model's maximum context length is {limit} tokens. However, your prompt contains {prefix}"
                 f"{shown} input tokens, which exceeds this limit even without any output tokens. Please reduce the "
                 f"length of the input prompt.", "input_tokens", shown)
-        if n == limit:
-            raise bad_request(
-                f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
-                f"than the maximum model length of {limit}. Make sure that `max_model_len` is no smaller than the "
-                f"number of text tokens (prompt + requested output tokens).")
         return n
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, field_name: str) -> int:
-        """vLLM's get_max_tokens: a request may not ask for more than max_model_len, and is clamped to what fits."""
+    def _check_max_tokens(self, requested: int | None, field_name: str) -> None:
+        """TokenizeParams' check, before the prompt is rendered: no request may ask for more than max_model_len."""
         limit = self.settings.max_model_len
-        if requested is not None:
-            if requested < 1:
-                raise bad_request(f"{field_name} must be at least 1, got {requested}.", field_name)
-            if requested > limit:
-                raise vllm_validation_error(f"{field_name}={requested} cannot be greater than max_model_len={limit}. "
-                                            f"Please request fewer output tokens.", field_name, requested)
-            return min(requested, limit - prompt_len)
-        return limit - prompt_len
+        if requested is not None and requested > limit:
+            raise vllm_validation_error(f"{field_name}={requested} cannot be greater than max_model_len={limit}. "
+                                        f"Please request fewer output tokens.", field_name, requested)
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """vLLM's get_max_tokens: what was asked for, clamped to what fits (may be < 1; SamplingParams refuses)."""
+        fits = self.settings.max_model_len - prompt_len
+        return fits if requested is None else min(requested, fits)
+
+    def _check_output_budget(self, max_tokens: int) -> None:
+        """SamplingParams' max_tokens check for the APIs without the other sampling checks."""
+        if max_tokens < 1:
+            raise vllm_validation_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
 
     async def _pre_generate(self) -> None:
         """Faults that strike before any work: added latency, hangs, injected 500s."""
@@ -301,26 +368,32 @@ class SimApp:
     def _response_id(self, request: Request, body_id: str | None, prefix: str) -> str:
         return prefix + (request.headers.get("x-request-id") or body_id or uuid.uuid4().hex)
 
-    def _admit(self, *, request_id: str, prompt: Prompt, max_tokens: int, plan_kwargs: dict[str, Any],
-               arrival: float) -> tuple[SimRequest, Any]:
-        s = self.settings
-        plan = plan_output(seed=s.seed, fingerprint=prompt.fingerprint, max_tokens=max_tokens,
-                           mean_output_tokens=s.mean_output_tokens, tool_call_probability=s.tool_call_probability,
-                           adaptive_thinking_probability=s.adaptive_thinking_probability, **plan_kwargs)
-        sim = SimRequest(request_id=request_id, prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
-                         output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
-                         arrival=arrival)
-        try:
-            self.engine.submit(sim)
-        except EngineBusy as exc:
-            raise ApiError(503, str(exc), "Service Unavailable") from None
-        return sim, plan
-
     def _generation(self, *, arrival: float, response_id: str, model: str, prompt: Prompt, max_tokens: int,
-                    stream: bool, plan_kwargs: dict[str, Any], **fields: Any) -> Generation:
-        sim, plan = self._admit(request_id=response_id, prompt=prompt, max_tokens=max_tokens, plan_kwargs=plan_kwargs,
-                                arrival=arrival)
-        return Generation(response_id=response_id, created=int(time.time()), model=model, sim=sim, plan=plan,
+                    stream: bool, plan_kwargs: dict[str, Any], n: int = 1, **fields: Any) -> Generation:
+        """Plan and submit the request's `n` samples. Like vLLM's parallel sampling, each is its own engine request
+        (`{i}_{id}` when n > 1); they share one wake-up event so a stream follows all of them."""
+        s = self.settings
+        wake = asyncio.Event()
+        group = RequestGroup(n=n, remaining=n) if n > 1 else None
+        choices: list[Choice] = []
+        for i in range(n):
+            fingerprint = prompt.fingerprint if i == 0 else xxhash.xxh3_64_intdigest(
+                f"{prompt.fingerprint}:{i}".encode())
+            plan = plan_output(seed=s.seed, fingerprint=fingerprint, max_tokens=max_tokens,
+                               mean_output_tokens=s.mean_output_tokens, tool_call_probability=s.tool_call_probability,
+                               adaptive_thinking_probability=s.adaptive_thinking_probability, **plan_kwargs)
+            sim = SimRequest(request_id=response_id if n == 1 else f"{i}_{response_id}",
+                             prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
+                             output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
+                             arrival=arrival, group=group, wake=wake)
+            try:
+                self.engine.submit(sim)
+            except EngineBusy as exc:
+                for submitted in choices:
+                    self.engine.abort(submitted.sim)
+                raise ApiError(503, str(exc), "Service Unavailable") from None
+            choices.append(Choice(i, sim, plan))
+        return Generation(response_id=response_id, created=int(time.time()), model=model, choices=choices,
                           system_fingerprint=self.fingerprint, stream=stream, **fields)
 
     def _respond(self, gen: Generation, shape: Any) -> Response:
@@ -333,40 +406,53 @@ class SimApp:
         arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
         body = await self._json(request)
         await self._pre_generate()
+        precheck_chat(body)
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
         model = self._check_model(req.model)
-        if req.n is not None and req.n > 1:
-            raise bad_request("The simulator serves n=1 only.", "n")
+        use_mct = req.max_completion_tokens is not None
+        requested = req.max_completion_tokens if use_mct else req.max_tokens
+        self._check_max_tokens(requested, "max_completion_tokens" if use_mct else "max_tokens")
         kwargs = dict(req.chat_template_kwargs or {})
+        media: list[MediaItem] = []
         text = self._render_chat(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
-                                 kwargs)
+                                 kwargs, reasoning_alias=True, media_out=media)
         prompt = await self._prepare(text, add_special_tokens=False, salt=req.cache_salt)
         n = self._check_prompt(prompt)
-        use_mct = req.max_completion_tokens is not None
-        max_tokens = self._max_tokens(n, req.max_completion_tokens if use_mct else req.max_tokens,
-                                      "max_completion_tokens" if use_mct else "max_tokens")
+        max_tokens = self._max_tokens(n, requested)
+        check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
         tools = req.tools if req.tool_choice != "none" else None
+        mm_tokens: dict[str, int] = {}
+        for item in media:
+            mm_tokens[item.kind] = mm_tokens.get(item.kind, 0) + self._media_tokens(item.kind)
+        last_role = req.messages[-1].get("role") if req.messages and isinstance(req.messages[-1], dict) else None
         gen = self._generation(
-            arrival=arrival, response_id=self._response_id(request, req.request_id, "chatcmpl-"), model=model, prompt=prompt,
-            max_tokens=max_tokens, stream=bool(req.stream),
+            arrival=arrival, response_id=self._response_id(request, req.request_id, "chatcmpl-"), model=model,
+            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices,
             plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
                          "tool_choice": req.tool_choice, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
             include_reasoning=req.include_reasoning, include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage)
+            continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
+            role="assistant" if req.add_generation_prompt else str(last_role or "assistant"),
+            cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0,
+            multimodal_tokens=mm_tokens or None)
+        if tools:
+            gen.tool_parsing = "chat_completions"
         return self._respond(gen, ChatShape)
 
     async def completions(self, request: Request) -> Response:
         arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
         body = await self._json(request)
         await self._pre_generate()
+        body = precheck_completion(body)
         req: CompletionRequest = validate(CompletionRequest, body)
         model = self._check_model(req.model)
-        if req.n is not None and req.n > 1:
-            raise bad_request("The simulator serves n=1 only.", "n")
         if req.stream and req.use_beam_search:
             raise bad_request("Streaming is not currently supported with beam search")
+        self._check_max_tokens(req.max_tokens, "max_tokens")
         p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if isinstance(p, list) and not p:
+            raise bad_request("You must pass at least one prompt")
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise bad_request("The simulator serves one prompt per request.", "prompt")
             p = p[0]
@@ -375,12 +461,14 @@ class SimApp:
         else:
             prompt = self._prepare_ids(list(p), req.cache_salt)
         n = self._check_prompt(prompt)
-        max_tokens = self._max_tokens(n, req.max_tokens, "max_tokens")
+        max_tokens = self._max_tokens(n, req.max_tokens)
+        check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
         gen = self._generation(
-            arrival=arrival, response_id=self._response_id(request, req.request_id, "cmpl-"), model=model, prompt=prompt,
-            max_tokens=max_tokens, stream=bool(req.stream),
+            arrival=arrival, response_id=self._response_id(request, req.request_id, "cmpl-"), model=model,
+            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices,
             plan_kwargs={"chat": False, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
-            include_usage=req.include_usage, continuous_usage=req.continuous_usage)
+            include_usage=req.include_usage, continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
+            echo_prompt=(p if isinstance(p, str) else self.tokenizer.decode(list(p))) if req.echo else None)
         return self._respond(gen, CompletionShape)
 
     async def responses(self, request: Request) -> Response:
@@ -393,10 +481,12 @@ class SimApp:
         tools = [_responses_tool(t) for t in req.tools or [] if t.get("type", "function") == "function"] or None
         extra = req.model_extra or {}
         kwargs = dict(extra.get("chat_template_kwargs") or {})
-        text = self._render_chat(messages, tools, True, False, kwargs)
+        self._check_max_tokens(req.max_output_tokens, "max_output_tokens")
+        text = self._render_chat(messages, tools, True, False, kwargs, media_out=[])
         prompt = await self._prepare(text, add_special_tokens=False, salt=extra.get("cache_salt"))
         n = self._check_prompt(prompt)
-        max_tokens = self._max_tokens(n, req.max_output_tokens, "max_output_tokens")
+        max_tokens = self._max_tokens(n, req.max_output_tokens)
+        self._check_output_budget(max_tokens)
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, req.request_id, "resp_"), model=model, prompt=prompt,
             max_tokens=max_tokens, stream=bool(req.stream),
@@ -405,6 +495,8 @@ class SimApp:
             echo={"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                   "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice,
                   "tools": req.tools})
+        if tools:
+            gen.tool_parsing = "responses"
         return self._respond(gen, ResponsesShape)
 
     async def messages(self, request: Request) -> Response:
@@ -423,14 +515,18 @@ class SimApp:
             tool_choice = {"type": "function", "function": {"name": choice.get("name")}}
         thinking = (req.thinking or {}).get("type")
         mode = {"enabled": "enabled", "disabled": "disabled"}.get(thinking or "", None)
-        text = self._render_chat(messages, tools, True, False, {"thinking_mode": mode} if mode else {})
+        self._check_max_tokens(req.max_tokens, "max_completion_tokens")  # converted to a chat request
+        text = self._render_chat(messages, tools, True, False, {"thinking_mode": mode} if mode else {},
+                                 media_out=[])
         prompt = await self._prepare(text, add_special_tokens=False, salt=None)
         n = self._check_prompt(prompt)
-        max_tokens = self._max_tokens(n, req.max_tokens, "max_tokens")
+        max_tokens = self._max_tokens(n, req.max_tokens)
+        self._check_output_budget(max_tokens)
         gen = self._generation(
-            arrival=arrival, response_id="msg_" + (request.headers.get("x-request-id") or uuid.uuid4().hex[:24]),
+            arrival=arrival, response_id=self._response_id(request, None, "chatcmpl-"),  # vLLM answers as a chat
             model=model, prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream),
-            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice})
+            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice},
+            cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0)
         return self._respond(gen, MessagesShape)
 
     # ---- other vLLM routes -----------------------------------------------------------------------------------
@@ -451,6 +547,7 @@ class SimApp:
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
         if isinstance(body, dict) and "messages" in body:
+            precheck_tokenize_chat(body)
             chat: TokenizeChatRequest = validate(TokenizeChatRequest, body)
             self._check_model(chat.model)
             text = self._render_chat(chat.messages, chat.tools, chat.add_generation_prompt,
@@ -464,9 +561,21 @@ class SimApp:
             tokens = await asyncio.to_thread(self.tokenizer.encode, text, add_special)
         else:
             tokens = self.tokenizer.encode(text, add_special)
+        if isinstance(self.tokenizer, ByteChunkTokenizer):
+            self.tokenizer.learn(tokens)  # so /detokenize can turn these ids back into text
         return Response(orjson.dumps({"count": tokens.count, "max_model_len": self.settings.max_model_len,
                                       "tokens": tokens.ids(), "token_strs": tokens.token_strs() if want_strs else None}),
                         media_type=JSON)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        req: DetokenizeRequest = validate(DetokenizeRequest, body)
+        self._check_model(req.model)
+        return Response(orjson.dumps({"prompt": self.tokenizer.decode(req.tokens)}), media_type=JSON)
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        """vLLM's GET /kv_event_sources: each DP rank's resolved KV-events config ({} when events are off)."""
+        return Response(orjson.dumps(self.kv_events.sources() if self.kv_events is not None else {}), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=503 if self.faults.current.unhealthy else 200)
@@ -551,22 +660,43 @@ class GenerationResponse(Response):
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        engine, sim = self.app.engine, self.gen.sim
+        engine, gen = self.app.engine, self.gen
+
+        def abort_all() -> None:
+            for choice in gen.choices:
+                engine.abort(choice.sim)
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            engine.abort(sim)
+            abort_all()
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            if self.gen.stream:
+            if gen.stream:
                 await self._stream(send)
             else:
                 await self._unary(send)
+            self._count_tool_parsing()
         finally:
             watcher.cancel()
-            engine.abort(sim)
+            abort_all()
+
+    def _count_tool_parsing(self) -> None:
+        """vllm:tool_call_parser_invocations for requests that offered tools: once per choice unstreamed, once per
+        delta after the reasoning when streamed."""
+        gen, kind = self.gen, self.gen.tool_parsing
+        if kind is None:
+            return
+        counters = self.app.metrics.tool_call_parser_invocations
+        for choice in gen.choices:
+            outcome = "tool_call" if choice.plan.tool_call is not None else "no_tool_call"
+            if gen.stream:
+                deltas = max(0, choice.sim.num_output - choice.plan.reasoning_tokens)
+                if deltas:
+                    counters[("streaming", outcome, kind)].inc(deltas)
+            else:
+                counters[("non_streaming", outcome, kind)].inc()
 
     def _drop(self) -> DropConnection:
         self.app.http.dropped += 1
@@ -585,7 +715,7 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _unary(self, send: Send) -> None:
-        await wait_finished(self.gen.sim)
+        await wait_finished(self.gen)
         if self.gen.aborted:
             raise DropConnection()
         body = self.shape.body(self.gen)
@@ -610,6 +740,15 @@ class HangResponse(Response):
         raise DropConnection()
 
 
+def _event_publisher(settings: SimSettings) -> SimEventPublisher | None:
+    if settings.kv_events_config is None:
+        return None
+    config = parse_kv_events_config(settings.kv_events_config)
+    if not config["enable_kv_cache_events"] or config["publisher"] != "zmq":
+        return None
+    return SimEventPublisher(config, settings.block_size, settings.host)
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     return Response(b'{"detail":"Not Found"}', 404, media_type=JSON)
 
@@ -619,9 +758,11 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def _anthropic_error(exc: ApiError) -> Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            503: "overloaded_error"}.get(exc.status, "api_error")
-    return Response(orjson.dumps({"type": "error", "error": {"type": kind, "message": exc.message}}),
+    """vLLM's `translate_error_response`: the Anthropic envelope around vLLM's own error type. Request validation
+    errors never reach the handler, so they keep the OpenAI shape."""
+    if exc.err_type == "Bad Request":
+        return exc.response()
+    return Response(orjson.dumps({"type": "error", "error": {"type": exc.err_type, "message": exc.message}}),
                     status_code=exc.status, media_type=JSON)
 
 

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV-cache blocks (vLLM's num_gpu_blocks); must hold --max-model-len (default 32768)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached full blocks of equal prompt prefixes (default on)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events over ZMQ as vLLM does, e.g. '{\"enable_kv_cache_events\":true,"
+                        "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\","
+                        "\"topic\":\"kv\"}' (tcp://*:0 picks a free port; GET /kv_event_sources says which)")
+    g.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor"],
+                   help="hash blocks as vLLM does (over token ids) so a gateway can reproduce them (default: a fast "
+                        "internal hash)")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="reject with 503 when this many requests already wait (default: unlimited)")
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
@@ -114,7 +121,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         seed=args.seed, modalities=args.modalities, tokenizer_dir=args.tokenizer,
         mean_output_tokens=args.mean_output_tokens, tool_call_probability=args.tool_call_probability,
         adaptive_thinking_probability=args.adaptive_thinking_probability, image_tokens=args.image_tokens,
-        video_tokens=args.video_tokens, api_key=args.api_key,
+        video_tokens=args.video_tokens, api_key=args.api_key, kv_events_config=args.kv_events_config,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         faults=FaultSettings(error_rate=args.fault_error_rate, added_latency_ms=args.fault_added_latency_ms,
                              hang=args.fault_hang, drop_mid_stream=args.fault_drop_mid_stream,
                              refuse_connections=args.fault_refuse_connections, refuse_for_s=args.fault_refuse_for_s,
@@ -134,6 +142,13 @@ def check_settings(s: SimSettings) -> str | None:
                 f"--max-model-len.")
     if s.max_num_batched_tokens < s.block_size:
         return "--max-num-batched-tokens must be at least --block-size"
+    if s.kv_events_config is not None:
+        from pools.sim.kv_events import parse_kv_events_config
+
+        try:
+            parse_kv_events_config(s.kv_events_config)
+        except ValueError as exc:
+            return f"--kv-events-config: {exc}"
     return None
 
 

@@ -40,6 +40,16 @@ class EngineBusy(Exception):
 
 
 @dataclass(eq=False)
+class RequestGroup:
+    """The `n` samples of one API request (vLLM's ParentRequest): each is its own engine request; the group's
+    `n` and longest output are observed once all of them have finished."""
+
+    n: int
+    remaining: int
+    max_generation_tokens: int = 0
+
+
+@dataclass(eq=False)
 class SimRequest:
     """One generation request as the engine sees it: token counts, never text."""
 
@@ -51,6 +61,7 @@ class SimRequest:
     max_tokens: int
     arrival: float
     priority: int = 0
+    group: RequestGroup | None = None
     # engine state
     status: str = "new"  # new | waiting | running | finished
     blocks: list[int] = field(default_factory=list)
@@ -135,7 +146,6 @@ class Engine:
         req.prefill_target = req.prompt_tokens
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_tokens
-        self.metrics.request_params_max_tokens.observe(req.max_tokens)
         self._work.set()
 
     def _reject(self, reason: str) -> None:
@@ -230,6 +240,7 @@ class Engine:
                 self.counters.cached_tokens += hit_tokens
                 self.metrics.prefix_cache_queries.inc(req.prompt_tokens)
                 self.metrics.prefix_cache_hits.inc(hit_tokens)
+                self.metrics.prompt_tokens_cached_by_source["device"].inc(hit_tokens)
                 self.metrics.queue_time.observe(now - req.arrival)
             scheduled.append((req, n))
             prefill_tokens += min(n, remaining)
@@ -275,6 +286,9 @@ class Engine:
             req.first_token_at = now
             m.ttft.observe(now - req.arrival)
             m.prompt_tokens.inc(req.prompt_tokens)
+            m.prompt_tokens_by_source["local_compute"].inc(req.prompt_tokens - req.cached_tokens)
+            m.prompt_tokens_by_source["local_cache_hit"].inc(req.cached_tokens)
+            m.prompt_tokens_cached.inc(req.cached_tokens)
         elif req.last_token_at is not None:
             m.itl.observe(now - req.last_token_at)
         req.last_token_at = now
@@ -299,6 +313,19 @@ class Engine:
         m = self.metrics
         m.request_success[reason].inc()
         m.e2e.observe(now - req.arrival)
+        m.request_num_preemptions.observe(req.num_preemptions)
+        m.request_prefill_kv_computed_tokens.observe(req.prompt_tokens - req.cached_tokens)
+        m.request_params_max_tokens.observe(req.max_tokens)
+        group = req.group
+        if group is None:
+            m.request_max_num_generation_tokens.observe(req.num_output)
+            m.request_params_n.observe(1)
+        else:
+            group.max_generation_tokens = max(group.max_generation_tokens, req.num_output)
+            group.remaining -= 1
+            if group.remaining == 0:
+                m.request_max_num_generation_tokens.observe(group.max_generation_tokens)
+                m.request_params_n.observe(group.n)
         if reason == "abort":
             self.counters.aborted += 1
         else:

@@ -34,6 +34,35 @@ def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
         exponent += 1
 
 
+NUM_PREEMPTIONS_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+
+
+def cache_config_labels(*, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool, hash_algo: str,
+                        max_model_len: int, gpu_memory_utilization: float = 0.92) -> dict[str, str]:
+    """`vllm:cache_config_info`'s labels: every CacheConfig field of vLLM 0.32, valued as a GPU replica started
+    with --block-size reports them (the KV size follows --kv-blocks; kv_cache_memory_bytes is only set by a
+    user or by the CPU platform, so a GPU replica reports None)."""
+    size_tokens = num_gpu_blocks * block_size
+    return {
+        "_block_size_resolved": "True", "block_size": str(block_size), "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None", "effective_attention_block_size": str(block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": str(enable_prefix_caching),
+        "gpu_memory_utilization": str(gpu_memory_utilization), "hash_block_size": "None",
+        "is_attention_free": "False", "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(size_tokens / max_model_len), "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(size_tokens), "kv_offloading_backend": "native", "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False", "mamba_block_size": "None", "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none", "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None", "num_gpu_blocks": str(num_gpu_blocks), "num_gpu_blocks_override": "None",
+        "prefix_cache_retention_interval": "0", "prefix_caching_hash_algo": hash_algo, "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
+        "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+        "user_specified_block_size": "True"}
+
+
 class SimMetrics:
     def __init__(self, model_name: str, max_model_len: int, cache_labels: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
@@ -52,6 +81,20 @@ class SimMetrics:
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+            "reasons equals vllm:num_requests_waiting.", [*names, "reason"], registry=r)
+        self.num_requests_waiting_by_reason = {reason: waiting_by_reason.labels(**lv, reason=reason)
+                                               for reason in ("capacity", "deferred")}
+        sleep_state = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            [*names, "sleep_state"], registry=r)
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep_state.labels(**lv, sleep_state=state).set(value)
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_labels, "engine"],
                      registry=r)
@@ -61,13 +104,37 @@ class SimMetrics:
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+            "cache sharing, in terms of number of queried tokens.")
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+            "sharing, in terms of number of cached tokens.")
+        self.mm_cache_queries = counter("vllm:mm_cache_queries",
+                                        "Multi-modal cache queries, in terms of number of queried items.")
+        self.mm_cache_hits = counter("vllm:mm_cache_hits",
+                                     "Multi-modal cache hits, in terms of number of cached items.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*names, "source"],
+                            registry=r)
+        self.prompt_tokens_by_source = {src: by_source.labels(**lv, source=src) for src in PROMPT_SOURCES}
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to "
+            "DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
+            "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", [*names, "source"],
+            registry=r)
+        self.prompt_tokens_cached_by_source = {src: cached_by_source.labels(**lv, source=src)
+                                               for src in CACHED_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=r)
         self.request_success = {reason: success.labels(**lv, finished_reason=reason) for reason in FINISHED_REASONS}
-        rejections = Counter("vllm:admission_rejections", "Requests rejected at admission (engine busy).",
+        rejections = Counter("vllm:admission_rejections",
+                             "Number of admission attempts rejected by a queue limit, by reason.",
                              ["model_name", "reason"], registry=r)
         self.admission_rejections = {reason: rejections.labels(model_name=model_name, reason=reason)
                                      for reason in ("max_num_queued_reqs", "max_num_queued_tokens")}
@@ -97,9 +164,37 @@ class SimMetrics:
                                               "Histogram of the max_tokens request parameter.", token_buckets)
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      ITERATION_TOKEN_BUCKETS)
+        self.request_max_num_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.request_params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.",
+                                     PARAMS_N_BUCKETS)
+        self.request_num_preemptions = hist("vllm:request_num_preemptions",
+                                            "Histogram of the number of times a request was preempted.",
+                                            NUM_PREEMPTIONS_BUCKETS)
+        self.request_prefill_kv_computed_tokens = hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets)
+        for name, doc in (("vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU "
+                           "(for Model Flops Utilization calculations)."),
+                          ("vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU "
+                           "(for Model Flops Utilization calculations)."),
+                          ("vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU "
+                           "(for Model Flops Utilization calculations).")):
+            counter(name, doc)  # exported by vLLM 0.32 by default; they stay 0 without --enable-mfu-metrics
+        invocations = Counter(
+            "vllm:tool_call_parser_invocations", "Total number of ToolParser invocations. Non-streaming increments "
+            "once per choice; streaming increments once per delta.", ["model_name", "mode", "outcome", "request_type"],
+            registry=r)
+        self.tool_call_parser_invocations = {
+            (mode, outcome, kind): invocations.labels(model_name=model_name, mode=mode, outcome=outcome,
+                                                      request_type=kind)
+            for mode in ("streaming", "non_streaming") for outcome in ("tool_call", "no_tool_call")
+            for kind in ("chat_completions", "responses", "other")}
 
     def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
+        self.num_requests_waiting_by_reason["capacity"].set(waiting)
         self.kv_cache_usage.set(kv_usage)
         return generate_latest(self.registry)

@@ -58,6 +58,8 @@ class SimSettings:
     image_tokens: int = 256
     video_tokens: int = 2048
     api_key: str | None = None
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: publish KV events (pools/sim/kv_events.py)
+    prefix_caching_hash_algo: str | None = None  # sha256_cbor / sha256: vLLM's own block hashes over the token ids
     # fault injection at start (changeable later through POST /sim/faults)
     faults: FaultSettings = field(default_factory=FaultSettings)
 

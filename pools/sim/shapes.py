@@ -1,8 +1,10 @@
 """Response bodies and SSE events of the four generate APIs, chunk for chunk as vLLM 0.32 sends them.
 
-Each shape turns a `Generation` (the request's plan plus the engine's progress) into bytes: `body()` for a
+Each shape turns a `Generation` (the request's plans plus the engine's progress) into bytes: `body()` for a
 non-streaming answer once the engine is done, `events()` for a stream that follows the engine token by token.
 Chat/completions end with `data: [DONE]`; Responses and Messages use `event: <type>` framing without it.
+Chat and completions serve `n` choices: like vLLM's parallel sampling, each choice is its own engine request
+(sharing one wake-up event), and their chunks interleave as the engine produces tokens.
 """
 
 from __future__ import annotations
@@ -13,38 +15,79 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 
-from pools.sim.behaviour import OutputPlan
+from pools.sim.behaviour import CONTENT_WORDS, REASONING_WORDS, OutputPlan
 from pools.sim.engine import SimRequest
 
 DONE = b"data: [DONE]\n\n"
 
 
 @dataclass
+class Choice:
+    """One of the request's `n` samples: its own engine request and answer plan."""
+
+    index: int
+    sim: SimRequest
+    plan: OutputPlan
+
+
+@dataclass
 class Generation:
-    """One accepted generate request: what was asked, what will be said, and the engine's handle on it."""
+    """One accepted generate request: what was asked, what will be said, and the engine's handles on it."""
 
     response_id: str
     created: int
     model: str
-    sim: SimRequest
-    plan: OutputPlan
+    choices: list[Choice]
     system_fingerprint: str
     stream: bool = False
     include_reasoning: bool = True
     include_usage: bool = False
     continuous_usage: bool = False
+    logprobs: int | None = None  # chat: top_logprobs when `logprobs` is on; completions: `logprobs`; None = off
+    role: str = "assistant"  # chat: the answer's role (the last message's when add_generation_prompt is off)
+    cache_block_size: int = 0  # block size when prefix caching is on (created_cache_tokens), else 0
+    multimodal_tokens: dict[str, int] | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields some APIs repeat in their answer
+    tool_parsing: str | None = None  # request_type of vllm:tool_call_parser_invocations when tools were offered
+    echo_prompt: str | None = None  # completions with `echo`: the prompt text that precedes each choice's text
+
+    @property
+    def sim(self) -> SimRequest:
+        return self.choices[0].sim
+
+    @property
+    def plan(self) -> OutputPlan:
+        return self.choices[0].plan
 
     @property
     def aborted(self) -> bool:
-        return self.sim.finish_reason == "abort"
+        return any(c.sim.finish_reason == "abort" for c in self.choices)
 
-    def reasoning_tokens(self, upto: int) -> int:
-        return min(upto, self.plan.reasoning_tokens)
+    @property
+    def finished(self) -> bool:
+        return all(c.sim.finished for c in self.choices)
 
-    def finish_reason(self) -> str:
-        return self.plan.finish_reason
+    def reasoning_tokens(self, upto: int, choice: Choice | None = None) -> int:
+        return min(upto, (choice or self.choices[0]).plan.reasoning_tokens)
+
+    def finish_reason(self, choice: Choice | None = None) -> str:
+        return (choice or self.choices[0]).plan.finish_reason
+
+    def completion_tokens(self) -> int:
+        return sum(c.sim.num_output for c in self.choices)
+
+    def total_reasoning_tokens(self) -> int:
+        return sum(min(c.sim.num_output, c.plan.reasoning_tokens) for c in self.choices)
+
+    def created_cache_tokens(self) -> int:
+        """vLLM's num_cache_creation_tokens: the prompt's full blocks held in the cache once prefill is done, less
+        the blocks that were hits (`PrefillStats.finalize`)."""
+        sim, size = self.sim, self.cache_block_size
+        if size <= 0:
+            return 0
+        return max(0, (sim.prompt_tokens // size) * size - sim.cached_tokens)
 
 
 async def progress(sim: SimRequest) -> AsyncIterator[int]:
@@ -60,10 +103,27 @@ async def progress(sim: SimRequest) -> AsyncIterator[int]:
         await sim.wake.wait()
 
 
-async def wait_finished(sim: SimRequest) -> None:
-    while not sim.finished:
-        sim.wake.clear()
-        await sim.wake.wait()
+async def progress_all(gen: Generation) -> AsyncIterator[list[int]]:
+    """Every choice's output-token count, each time one grows; stop when all are finished. The choices share one
+    wake-up event (see app.py), so any choice's progress wakes the stream."""
+    seen = [0] * len(gen.choices)
+    wake = gen.choices[0].sim.wake
+    while True:
+        counts = [c.sim.num_output for c in gen.choices]
+        if counts != seen:
+            seen = counts
+            yield counts
+        if gen.finished:
+            return
+        wake.clear()
+        await wake.wait()
+
+
+async def wait_finished(gen: Generation) -> None:
+    wake = gen.choices[0].sim.wake
+    while not gen.finished:
+        wake.clear()
+        await wake.wait()
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -74,14 +134,84 @@ def _event(kind: str, obj: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
 
 
-def openai_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
+def chat_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
+    """Chat's usage: prompt details with cached and created-cache tokens, reasoning tokens summed over choices.
+    The streamed usage chunk is dumped with exclude_none, so `multimodal_tokens` is absent there unless set."""
     sim = gen.sim
-    details: dict[str, Any] = {"cached_tokens": sim.cached_tokens, "created_cache_tokens": 0}
-    if not streaming:
-        details["multimodal_tokens"] = None
-    return {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + sim.num_output,
-            "completion_tokens": sim.num_output, "prompt_tokens_details": details,
-            "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens(sim.num_output)}}
+    completion = gen.completion_tokens()
+    details: dict[str, Any] = {"cached_tokens": sim.cached_tokens, "created_cache_tokens": gen.created_cache_tokens()}
+    if not streaming or gen.multimodal_tokens:
+        details["multimodal_tokens"] = gen.multimodal_tokens
+    return {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + completion,
+            "completion_tokens": completion, "prompt_tokens_details": details,
+            "completion_tokens_details": {"reasoning_tokens": gen.total_reasoning_tokens()}}
+
+
+def completion_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
+    """Completions' usage: only `cached_tokens` is filled in; unstreamed, the other fields are null."""
+    sim = gen.sim
+    completion = gen.completion_tokens()
+    usage: dict[str, Any] = {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + completion,
+                             "completion_tokens": completion}
+    if streaming:
+        usage["prompt_tokens_details"] = {"cached_tokens": sim.cached_tokens}
+    else:
+        usage["prompt_tokens_details"] = {"cached_tokens": sim.cached_tokens, "created_cache_tokens": None,
+                                          "multimodal_tokens": None}
+        usage["completion_tokens_details"] = None
+    return usage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs: plausible, deterministic numbers (the simulator has no model); the shapes are vLLM's.
+
+_ALTERNATIVES = tuple(dict.fromkeys(CONTENT_WORDS + REASONING_WORDS))
+
+
+def _token_text(plan: OutputPlan, index: int) -> str:
+    return plan.piece(index)[1]
+
+
+def _sampled_logprob(choice: Choice, index: int) -> float:
+    h = xxhash.xxh64_intdigest(f"{choice.plan.word_offset}:{choice.index}:{index}".encode())
+    return -round(0.01 + (h % 4000) / 1000, 6)
+
+
+def _top(choice: Choice, index: int, k: int) -> list[tuple[str, float]]:
+    """The sampled token first, then k-1 others ranked below it."""
+    text = _token_text(choice.plan, index)
+    lp = _sampled_logprob(choice, index)
+    out = [(text, lp)]
+    h = xxhash.xxh64_intdigest(f"alt:{choice.plan.word_offset}:{choice.index}:{index}".encode())
+    j = 0
+    while len(out) < k and j < len(_ALTERNATIVES):
+        alt = _ALTERNATIVES[(h + j * 7) % len(_ALTERNATIVES)]
+        j += 1
+        if all(alt != t for t, _ in out):
+            out.append((alt, round(lp - 0.25 * len(out) - (h >> (j % 32) & 0xFF) / 1000, 6)))
+    return out
+
+
+def chat_logprobs(choice: Choice, start: int, end: int, k: int) -> dict[str, Any]:
+    content = []
+    for i in range(start, end):
+        text = _token_text(choice.plan, i)
+        content.append({"token": text, "logprob": _sampled_logprob(choice, i), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                         for t, lp in _top(choice, i, k)] if k > 0 else []})
+    return {"content": content}
+
+
+def completion_logprobs(choice: Choice, start: int, end: int, k: int, offset: int) -> dict[str, Any]:
+    tokens, logprobs, offsets, tops = [], [], [], []
+    for i in range(start, end):
+        text = _token_text(choice.plan, i)
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        logprobs.append(_sampled_logprob(choice, i))
+        tops.append(dict(_top(choice, i, k + 1)))
+    return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,16 +220,17 @@ def openai_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
 
 class ChatShape:
     @staticmethod
-    def delta(gen: Generation, index: int) -> dict[str, Any] | None:
+    def delta(gen: Generation, index: int, choice: Choice | None = None) -> dict[str, Any] | None:
         """The delta that output token `index` produces, or None when the parsers hold it back."""
-        kind, text = gen.plan.piece(index)
+        plan = (choice or gen.choices[0]).plan
+        kind, text = plan.piece(index)
         if kind == "content":
             return {"content": text}
         if kind == "reasoning":
             return {"content": None, "reasoning": text} if gen.include_reasoning else None
-        call = gen.plan.tool_call
+        call = plan.tool_call
         assert call is not None
-        j = index - gen.plan.reasoning_tokens - gen.plan.content_tokens
+        j = index - plan.reasoning_tokens - plan.content_tokens
         header = j == call.header_at
         args = j == call.tokens - 1
         if not (header or args):
@@ -112,68 +243,87 @@ class ChatShape:
         return {"tool_calls": [tc]}
 
     @staticmethod
+    def _logprobs_k(gen: Generation) -> int | None:
+        # With reasoning hidden, vLLM suppresses logprobs too (they would leak the reasoning tokens).
+        return gen.logprobs if gen.include_reasoning else None
+
+    @staticmethod
+    def _running_usage(gen: Generation, choice: Choice, completion: int) -> dict[str, Any]:
+        prompt = choice.sim.prompt_tokens
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                "completion_tokens_details": {"reasoning_tokens": min(completion, choice.plan.reasoning_tokens)}}
+
+    @staticmethod
     async def events(gen: Generation) -> AsyncIterator[bytes]:
         head = {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model}
-        sim, total = gen.sim, gen.plan.total_tokens
-        sent = 0
-        async for upto in progress(sim):
+        k = ChatShape._logprobs_k(gen)
+        sent = [0] * len(gen.choices)
+        started = False
+        async for counts in progress_all(gen):
             if gen.aborted:
                 return
-            if sent == 0:
-                role: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                             "logprobs": None, "finish_reason": None}],
-                                        "prompt_token_ids": None, "prompt_text": None}
-                if gen.continuous_usage:
-                    role["usage"] = _running_usage(sim, 0)
-                yield _sse(role)
-            for i in range(sent, upto):
-                last = i == total - 1
-                delta = ChatShape.delta(gen, i)
-                if delta is None and not last:
-                    continue
-                choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "logprobs": None,
-                                          "finish_reason": gen.finish_reason() if last else None}
-                if last:
-                    choice["stop_reason"] = None
-                choice["token_ids"] = None
-                chunk: dict[str, Any] = {**head, "choices": [choice]}
-                if last and not gen.include_usage:
-                    chunk["system_fingerprint"] = gen.system_fingerprint
-                if gen.continuous_usage:
-                    chunk["usage"] = _running_usage(sim, i + 1)
-                yield _sse(chunk)
-            sent = upto
+            if not started:
+                started = True
+                for choice in gen.choices:
+                    role: dict[str, Any] = {**head, "choices": [{"index": choice.index, "delta": {
+                        "role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}],
+                        "prompt_token_ids": None, "prompt_text": None}
+                    if gen.continuous_usage:
+                        role["usage"] = ChatShape._running_usage(gen, choice, 0)
+                    yield _sse(role)
+            for choice, upto in zip(gen.choices, counts, strict=True):
+                total = choice.plan.total_tokens
+                for i in range(sent[choice.index], upto):
+                    last = i == total - 1
+                    delta = ChatShape.delta(gen, i, choice)
+                    if delta is None and not last and k is None:
+                        continue
+                    item: dict[str, Any] = {"index": choice.index, "delta": delta or {},
+                                            "logprobs": chat_logprobs(choice, i, i + 1, k) if k is not None else None,
+                                            "finish_reason": gen.finish_reason(choice) if last else None}
+                    if last:
+                        item["stop_reason"] = None
+                    item["token_ids"] = None
+                    chunk: dict[str, Any] = {**head, "choices": [item]}
+                    if last and not gen.include_usage:
+                        chunk["system_fingerprint"] = gen.system_fingerprint
+                    if gen.continuous_usage:
+                        chunk["usage"] = ChatShape._running_usage(gen, choice, i + 1)
+                    yield _sse(chunk)
+                sent[choice.index] = upto
         if gen.aborted:
             return
         if gen.include_usage:
-            yield _sse({**head, "choices": [], "usage": openai_usage(gen, streaming=True),
+            yield _sse({**head, "choices": [], "usage": chat_usage(gen, streaming=True),
                         "system_fingerprint": gen.system_fingerprint})
         yield DONE
 
     @staticmethod
-    def body(gen: Generation) -> bytes:
-        plan = gen.plan
+    def _choice(gen: Generation, choice: Choice) -> dict[str, Any]:
+        plan = choice.plan
         reasoning = plan.text("reasoning") if plan.reasoning_tokens and gen.include_reasoning else None
         content = plan.text("content") if plan.content_tokens else None
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+        message: dict[str, Any] = {"role": gen.role, "content": content, "refusal": None, "annotations": None,
                                    "audio": None, "function_call": None}
         if plan.tool_call is not None:
             call = plan.tool_call
             message["tool_calls"] = [{"id": call.call_id, "type": "function",
                                       "function": {"name": call.name, "arguments": call.arguments}}]
         message["reasoning"] = reasoning
+        k = ChatShape._logprobs_k(gen)
+        logprobs = chat_logprobs(choice, 0, choice.sim.num_output, k) if k is not None else None
+        return {"index": choice.index, "message": message, "logprobs": logprobs,
+                "finish_reason": gen.finish_reason(choice), "stop_reason": None, "token_ids": None,
+                "routed_experts": None}
+
+    @staticmethod
+    def body(gen: Generation) -> bytes:
         return orjson.dumps({
             "id": gen.response_id, "object": "chat.completion", "created": gen.created, "model": gen.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason(),
-                         "stop_reason": None, "token_ids": None, "routed_experts": None}],
+            "choices": [ChatShape._choice(gen, c) for c in gen.choices],
             "service_tier": None, "system_fingerprint": gen.system_fingerprint,
-            "usage": openai_usage(gen, streaming=False), "prompt_logprobs": None, "prompt_token_ids": None,
+            "usage": chat_usage(gen, streaming=False), "prompt_logprobs": None, "prompt_token_ids": None,
             "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
-
-
-def _running_usage(sim: SimRequest, completion: int) -> dict[str, Any]:
-    return {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + completion,
-            "completion_tokens": completion}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,36 +334,55 @@ class CompletionShape:
     @staticmethod
     async def events(gen: Generation) -> AsyncIterator[bytes]:
         head = {"id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model}
-        sim, total = gen.sim, gen.plan.total_tokens
-        sent = 0
-        async for upto in progress(sim):
+        k = gen.logprobs
+        sent = [0] * len(gen.choices)
+        offsets = [0] * len(gen.choices)
+        async for counts in progress_all(gen):
             if gen.aborted:
                 return
-            for i in range(sent, upto):
-                last = i == total - 1
-                chunk: dict[str, Any] = {**head, "choices": [{
-                    "index": 0, "text": gen.plan.piece(i)[1], "logprobs": None,
-                    "finish_reason": gen.finish_reason() if last else None, "stop_reason": None,
-                    "prompt_token_ids": None, "token_ids": None}]}
-                if gen.continuous_usage:
-                    chunk["usage"] = _running_usage(sim, i + 1)
-                yield _sse(chunk)
-            sent = upto
+            for choice, upto in zip(gen.choices, counts, strict=True):
+                total = choice.plan.total_tokens
+                for i in range(sent[choice.index], upto):
+                    last = i == total - 1
+                    text = choice.plan.piece(i)[1]
+                    logprobs = None
+                    if k is not None:
+                        logprobs = completion_logprobs(choice, i, i + 1, k, offsets[choice.index])
+                        offsets[choice.index] += len(text)
+                    if i == 0 and gen.echo_prompt is not None:
+                        text = gen.echo_prompt + text  # the first chunk echoes the prompt
+                    chunk: dict[str, Any] = {**head, "choices": [{
+                        "index": choice.index, "text": text, "logprobs": logprobs,
+                        "finish_reason": gen.finish_reason(choice) if last else None, "stop_reason": None,
+                        "prompt_token_ids": None, "token_ids": None}]}
+                    if last and not gen.include_usage:
+                        chunk["system_fingerprint"] = gen.system_fingerprint
+                    if gen.continuous_usage:
+                        prompt = choice.sim.prompt_tokens
+                        chunk["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + i + 1,
+                                          "completion_tokens": i + 1}
+                    yield _sse(chunk)
+                sent[choice.index] = upto
         if gen.aborted:
             return
         if gen.include_usage:
-            yield _sse({**head, "choices": [], "usage": openai_usage(gen, streaming=True)})
+            yield _sse({**head, "choices": [], "usage": completion_usage(gen, streaming=True),
+                        "system_fingerprint": gen.system_fingerprint})
         yield DONE
 
     @staticmethod
     def body(gen: Generation) -> bytes:
+        k = gen.logprobs
+        echo = gen.echo_prompt or ""
+        choices = [{"index": c.index, "text": echo + c.plan.text("content"),
+                    "logprobs": completion_logprobs(c, 0, c.sim.num_output, k, 0) if k is not None else None,
+                    "finish_reason": gen.finish_reason(c), "stop_reason": None, "token_ids": None,
+                    "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None} for c in gen.choices]
         return orjson.dumps({
             "id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model,
-            "choices": [{"index": 0, "text": gen.plan.text("content"), "logprobs": None,
-                         "finish_reason": gen.finish_reason(), "stop_reason": None, "prompt_logprobs": None,
-                         "prompt_token_ids": None, "token_ids": None, "routed_experts": None}],
-            "service_tier": None, "system_fingerprint": gen.system_fingerprint,
-            "usage": openai_usage(gen, streaming=False), "kv_transfer_params": None})
+            "choices": choices, "service_tier": None, "system_fingerprint": gen.system_fingerprint,
+            "usage": completion_usage(gen, streaming=False), "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,21 +574,27 @@ class MessagesShape:
 
     @staticmethod
     def _usage(gen: Generation, output_tokens: int) -> dict[str, Any]:
+        """vLLM's `_build_anthropic_usage`: Anthropic's input_tokens exclude cache reads and cache writes."""
         sim = gen.sim
-        return {"input_tokens": sim.prompt_tokens, "output_tokens": output_tokens,
-                "cache_read_input_tokens": sim.cached_tokens, "cache_creation_input_tokens": 0}
+        read, created = sim.cached_tokens, gen.created_cache_tokens()
+        return {"input_tokens": max(0, sim.prompt_tokens - read - created), "output_tokens": output_tokens,
+                "cache_creation_input_tokens": created, "cache_read_input_tokens": read}
 
     @staticmethod
     def body(gen: Generation) -> bytes:
-        return orjson.dumps({"id": gen.response_id, "type": "message", "role": "assistant", "model": gen.model,
-                             "content": MessagesShape._blocks(gen), "stop_reason": MessagesShape.stop_reason(gen),
-                             "stop_sequence": None, "usage": MessagesShape._usage(gen, gen.sim.num_output)})
+        # Dumped with exclude_none: no `stop_sequence: null`.
+        return orjson.dumps({"id": gen.response_id, "type": "message", "role": "assistant",
+                             "content": MessagesShape._blocks(gen), "model": gen.model,
+                             "stop_reason": MessagesShape.stop_reason(gen),
+                             "usage": MessagesShape._usage(gen, gen.sim.num_output)})
 
     @staticmethod
     async def events(gen: Generation) -> AsyncIterator[bytes]:
+        # The first chat chunk carries only running usage (no prompt details): the whole prompt, nothing out yet.
         yield _event("message_start", {"type": "message_start", "message": {
-            "id": gen.response_id, "type": "message", "role": "assistant", "model": gen.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": MessagesShape._usage(gen, 0)}})
+            "id": gen.response_id, "type": "message", "role": "assistant", "content": [], "model": gen.model,
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": gen.sim.prompt_tokens, "output_tokens": 0}}})
         segments = _segments(gen.plan)
         blocks = MessagesShape._blocks(gen)
         sent = 0

@@ -123,3 +123,25 @@ async def test_detokenize_round_trips(client: httpx.AsyncClient, oracle: LocalTo
     response = await client.post("/detokenize", json={"model": SERVED_MODEL, "tokens": oracle.ids(text)})
     assert response.status_code == 200
     assert response.json() == {"prompt": text}
+
+
+async def test_detokenize_keeps_special_tokens_and_skips_unknown_ids(
+    client: httpx.AsyncClient, oracle: LocalTokenizer
+) -> None:
+    ids = [oracle.bos_id, *oracle.ids("alpha bravo")[1:], oracle.eos_id]
+    assert (await client.post("/detokenize", json={"tokens": ids})).json() == {"prompt": oracle.decode(ids)}
+    assert (await client.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+    assert (await client.post("/detokenize", json={"tokens": [10**9]})).json() == {"prompt": ""}
+    unknown_model = await client.post("/detokenize", json={"model": "nope", "tokens": [1]})
+    assert unknown_model.status_code == 404 and unknown_model.json()["error"]["type"] == "NotFoundError"
+
+
+async def test_tokenize_empty_conversation_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post("/tokenize", json={"messages": []})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Cannot apply chat template to an empty conversation. Provide at least one message.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }

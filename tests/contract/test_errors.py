@@ -88,6 +88,29 @@ async def test_character_pre_check(client: httpx.AsyncClient, backend: Backend, 
     )
 
 
+async def test_character_pre_check_counts_the_rendered_chat_prompt(
+    client: httpx.AsyncClient, backend: Backend, oracle: LocalTokenizer
+) -> None:
+    bound = backend.max_model_len * oracle.max_chars_per_token()
+    messages = [{"role": "user", "content": "x" * (bound + 1)}]
+    # The rendered prompt is what gets measured: recover it from /tokenize (byte-level BPE decodes losslessly).
+    rendered = oracle.decode((await client.post("/tokenize", json={"messages": messages})).json()["tokens"])
+    body = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 1}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json() == error(
+        f"This model's maximum context length is {backend.max_model_len} tokens. However, your prompt contains "
+        f"{len(rendered)} characters (more than {bound} characters, which is the upper bound for "
+        f"{backend.max_model_len} input tokens). Please reduce the length of the input prompt. "
+        f"(parameter=input_text, value={len(rendered)})",
+        "BadRequestError",
+        "input_text",
+        400,
+    )
+    # /tokenize has no length checks at all.
+    assert (await client.post("/tokenize", json={"prompt": "x" * (bound + 1)})).status_code == 200
+
+
 async def test_max_tokens_above_max_model_len(client: httpx.AsyncClient, backend: Backend) -> None:
     limit = backend.max_model_len
     body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": limit + 1}
@@ -141,6 +164,35 @@ async def test_schema_violations_are_400_with_the_field(client: httpx.AsyncClien
     not_an_object = await client.post("/v1/chat/completions", json=[1, 2])
     assert not_an_object.status_code == 400
     assert not_an_object.json()["error"]["param"] == "body"
+
+
+async def test_validation_errors_print_dotted_locations_and_summarised_inputs(client: httpx.AsyncClient) -> None:
+    """vLLM's handler rewrites each pydantic error: `loc` dotted, `input` summarised (containers described,
+    scalars as strings)."""
+    missing = await client.post("/v1/chat/completions", json={"model": SERVED_MODEL})
+    assert missing.json() == error(
+        "1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', "
+        "'input': '<dict of 1 items>'}",
+        "Bad Request",
+        "body.messages",
+        400,
+    )
+    negative = await client.post("/detokenize", json={"tokens": [5, -1]})
+    assert negative.json() == error(
+        "1 validation error:\n  {'type': 'greater_than_equal', 'loc': 'body.tokens.1', 'msg': 'Input should be "
+        "greater than or equal to 0', 'input': '-1', 'ctx': {'ge': 0}}",
+        "Bad Request",
+        "body.tokens.1",
+        400,
+    )
+    wrong_type = await client.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": "x", "max_tokens": "many"})
+    assert wrong_type.json() == error(
+        "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid "
+        "integer, unable to parse string as an integer', 'input': 'many'}",
+        "Bad Request",
+        "body.max_tokens",
+        400,
+    )
 
 
 async def test_non_json_content_type_is_400(client: httpx.AsyncClient) -> None:

@@ -5,6 +5,8 @@ Generated text is never asserted (the real model has random weights); `ignore_eo
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from tests.contract.support import SERVED_MODEL, VLLM_VERSION, expected_created, post_stream, unique_words
@@ -203,3 +205,80 @@ async def test_stream_options_without_stream_is_400(client: httpx.AsyncClient) -
             "code": 400,
         }
     }
+
+
+async def test_chat_reads_reasoning_content_as_reasoning(client: httpx.AsyncClient) -> None:
+    """The chat request renames the deprecated `reasoning_content` of a message to `reasoning` (rendered by the
+    template); /tokenize does not, so only the generate route counts it."""
+    question = unique_words(3)
+
+    def messages(**assistant: str) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", **assistant},
+            {"role": "user", "content": question},
+        ]
+
+    async def prompt_tokens(msgs: list[dict[str, str]]) -> int:
+        body = {"model": SERVED_MODEL, "messages": msgs, "max_tokens": 1}
+        return int((await client.post("/v1/chat/completions", json=body)).json()["usage"]["prompt_tokens"])
+
+    alias = await prompt_tokens(messages(reasoning_content="thought"))
+    assert alias == await prompt_tokens(messages(reasoning="thought")) > await prompt_tokens(messages())
+    tokenized = await client.post("/tokenize", json={"messages": messages(reasoning_content="thought")})
+    assert tokenized.json()["count"] < alias
+
+
+async def test_answer_role_follows_the_last_message_without_generation_prompt(client: httpx.AsyncClient) -> None:
+    body = {
+        "model": SERVED_MODEL, "messages": [{"role": "user", "content": unique_words(4)}], "max_tokens": 1,
+        "add_generation_prompt": False,
+    }  # fmt: skip
+    result = (await client.post("/v1/chat/completions", json=body)).json()
+    assert result["choices"][0]["message"]["role"] == "user"
+
+
+async def test_completions_echo_prefixes_the_prompt(client: httpx.AsyncClient) -> None:
+    prompt = unique_words(5)
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True, "echo": True}
+    result = (await client.post("/v1/completions", json=body)).json()
+    assert result["choices"][0]["text"].startswith(prompt) and len(result["choices"][0]["text"]) > len(prompt)
+    chunks = (await post_stream(client, "/v1/completions", {**body, "stream": True})).chunks()
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+    assert not chunks[1]["choices"][0]["text"].startswith(prompt)
+
+
+async def test_anthropic_messages_usage_ids_and_errors(client: httpx.AsyncClient) -> None:
+    """/v1/messages runs as a chat request: a chatcmpl- id, vLLM's error types in the Anthropic envelope, and
+    Anthropic usage where input_tokens excludes cache reads and writes."""
+    messages = [{"role": "user", "content": unique_words(200)}]
+    prompt_tokens = await chat_prompt_tokens(client, {"messages": messages})
+    body = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 2}
+    result = (await client.post("/v1/messages", json=body)).json()
+    assert result["id"].startswith("chatcmpl-")
+    assert set(result) == {"id", "type", "role", "content", "model", "stop_reason", "usage"}, "dumped without nulls"
+    created = expected_created(prompt_tokens, 0)
+    assert result["usage"] == {
+        "input_tokens": prompt_tokens - created, "output_tokens": 2, "cache_creation_input_tokens": created,
+        "cache_read_input_tokens": 0,
+    }  # fmt: skip
+
+    async with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+        raw = (await response.aread()).decode()
+    events = {}
+    for block in raw.strip().split("\n\n"):
+        kind, data = block.split("\n", 1)
+        events.setdefault(kind.removeprefix("event: "), json.loads(data.removeprefix("data: ")))
+    start = events["message_start"]["message"]
+    assert set(start) == {"id", "type", "role", "content", "model", "stop_reason", "stop_sequence", "usage"}
+    assert start["usage"] == {"input_tokens": prompt_tokens, "output_tokens": 0}
+    assert set(events["message_delta"]["usage"]) == {
+        "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+    }  # fmt: skip
+
+    missing = await client.post("/v1/messages", json={**body, "model": "nope"})
+    assert missing.status_code == 404
+    assert missing.json() == {"type": "error", "error": {
+        "type": "NotFoundError", "message": f"The model `nope` does not exist. Valid aliases: {SERVED_MODEL}."}}
+    invalid = await client.post("/v1/messages", json={"model": SERVED_MODEL, "messages": messages})
+    assert invalid.status_code == 400 and invalid.json()["error"]["type"] == "Bad Request", "validation: OpenAI shape"

@@ -77,6 +77,46 @@ TOKENIZE_REQUESTS: dict[str, dict[str, Any]] = {
         ]
     },
     "completion_form": {"prompt": "Plain text prompt, with punctuation; numbers 12345 and ünïcödé."},
+    # The template loops over content parts, so vLLM passes parts through ("openai" content format).
+    "system_content_parts": {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"role": "user", "content": [{"type": "refusal", "refusal": "c"}, {"type": "text", "text": "d"}]},
+        ]
+    },
+    "tool_result_parts": {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sun"},
+                                                                   {"type": "text", "text": "ny"}]},
+        ],
+        "tools": TOOLS,
+    },
+    "continue_final_parts": {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "text", "text": "par"}, {"type": "text", "text": "tial"}]},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    # The template has no "developer" role: developer messages become system ones, merged at the front.
+    "developer_role": {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "developer", "content": "d"},
+            {"role": "system", "content": "s"},
+        ]
+    },
+    "unparsable_tool_arguments": {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]},
+        ],
+        "tools": TOOLS,
+    },
 }
 
 

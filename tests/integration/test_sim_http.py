@@ -164,14 +164,25 @@ def test_prompt_plus_max_tokens_over_the_limit_is_clamped_not_rejected(sim: SimP
 
 
 def test_errors_have_vllm_messages_and_sdk_exception_types(sim: SimProcess, client: openai.OpenAI) -> None:
+    # 10,000 two-byte characters: under the character bound (4096 x 4), over the limit in 4-byte tokens.
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 40000}])
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "é" * 10000}])
     err = too_long.value.body
     assert isinstance(err, dict) and err["param"] == "input_tokens" and err["type"] == "BadRequestError"
     assert err["message"] == (
         "This model's maximum context length is 4096 tokens. However, your prompt contains at least 4097 input "
         "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
         "prompt. (parameter=input_tokens, value=4097)")
+
+    # More characters than max_model_len x the longest vocabulary entry (4 for the built-in tokenizer): refused
+    # before tokenizing, counted over the rendered prompt.
+    with pytest.raises(openai.BadRequestError) as too_many_chars:
+        client.completions.create(model=MODEL, prompt="y" * 40000, max_tokens=1)
+    assert too_many_chars.value.body == {
+        "message": "This model's maximum context length is 4096 tokens. However, your prompt contains 40000 "
+                   "characters (more than 16384 characters, which is the upper bound for 4096 input tokens). Please "
+                   "reduce the length of the input prompt. (parameter=input_text, value=40000)",
+        "type": "BadRequestError", "param": "input_text", "code": 400}
 
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -192,8 +203,9 @@ def test_errors_have_vllm_messages_and_sdk_exception_types(sim: SimProcess, clie
     with pytest.raises(openai.BadRequestError) as opts:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        stream_options={"include_usage": True})
-    assert opts.value.body["type"] == "Bad Request"  # type: ignore[index]
-    assert "Stream options can only be defined when `stream=True`." in opts.value.body["message"]  # type: ignore
+    assert opts.value.body == {"message": "Stream options can only be defined when `stream=True`. "
+                                          "(parameter=stream_options)",
+                               "type": "BadRequestError", "param": "stream_options", "code": 400}
 
 
 def test_raw_request_errors(sim: SimProcess) -> None:
@@ -303,3 +315,68 @@ def test_tokenizer_dir_gives_exact_counts_of_the_rendered_template(tmp_path: Pat
     expected = tok.encode("<s>[user] simulated replicas\n[assistant] ", add_special_tokens=False).ids
     assert counted["tokens"] == expected and counted["count"] == len(expected)
     assert chat["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_n_samples_logprobs_and_created_cache_tokens(sim: SimProcess, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "n samples " * 100}]
+    prompt_tokens = count_tokens(sim, messages, chat_template_kwargs={"thinking_mode": "disabled"})
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "n": 3, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 2, "chat_template_kwargs": {"thinking_mode": "disabled"}}
+    result = httpx.post(f"{sim.url}/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    texts = {c["message"]["content"] for c in result["choices"]}
+    assert len(texts) > 1, "each sample has its own plan"
+    for choice in result["choices"]:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 4 and all(len(e["top_logprobs"]) == 2 for e in content)
+        assert "".join(e["token"] for e in content) == choice["message"]["content"]
+    usage = result["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == prompt_tokens
+    assert usage["prompt_tokens_details"]["created_cache_tokens"] == prompt_tokens // 128 * 128
+
+    stream = client.completions.create(model=MODEL, prompt="two samples", max_tokens=3, n=2, stream=True, logprobs=1,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finished == [0, 1] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert all(len(c.choices[0].logprobs.top_logprobs[0]) == 2 for c in chunks if c.choices)  # type: ignore[union-attr]
+
+
+def test_sampling_parameters_are_validated_like_sampling_params(sim: SimProcess) -> None:
+    def error(body: dict[str, object]) -> dict[str, object]:
+        r = httpx.post(f"{sim.url}/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
+        assert r.status_code == 400
+        return r.json()["error"]
+
+    assert error({"temperature": -1}) == {
+        "message": "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+        "type": "BadRequestError", "param": "temperature", "code": 400}
+    assert error({"n": 2, "temperature": 0})["message"] == "n must be 1 when using greedy sampling, got 2."
+    assert error({"max_tokens": 0})["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    assert error({"messages": []})["message"] == (
+        "Cannot apply chat template to an empty conversation. Provide at least one message.")
+
+
+def test_detokenize_returns_the_text_of_tokenized_ids(sim: SimProcess) -> None:
+    text = "Détokenize me, please: ids → text."
+    ids = httpx.post(f"{sim.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    assert httpx.post(f"{sim.url}/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    missing = httpx.post(f"{sim.url}/detokenize", json={})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "body.tokens"
+
+
+def test_media_are_counted_in_the_mm_cache_and_usage() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with running_sims([{"max_model_len": 4096, "extra_args": ["--modalities", "text,image", "--instant"]}]) as (s,):
+        body = {"model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]}
+        first = httpx.post(f"{s.url}/v1/chat/completions", json=body).json()
+        httpx.post(f"{s.url}/v1/chat/completions", json=body)
+        metrics = httpx.get(f"{s.url}/metrics").text
+    assert first["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 256}
+
+    def value(name: str) -> float:
+        return float(next(ln for ln in metrics.splitlines() if ln.startswith(name + "{")).rsplit(" ", 1)[1])
+
+    assert (value("vllm:mm_cache_queries_total"), value("vllm:mm_cache_hits_total")) == (2.0, 1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pools.sim.engine import Engine, EngineBusy, SimRequest
+from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.metrics import SimMetrics
 from pools.sim.prefix_cache import block_hashes
 from pools.sim.settings import CostModel
@@ -266,3 +266,38 @@ async def test_engine_loop_paces_steps_by_the_cost_model() -> None:
     finally:
         await engine.stop()
     assert 0.09 <= elapsed < 0.5  # 11 steps of 10 ms
+
+
+def test_prompt_token_sources_and_per_request_histograms() -> None:
+    engine, metrics, clock = make_engine(blocks=64, block_size=16)
+    first = request(engine, text_of(100, "s"), output=3)
+    engine.submit(first)
+    run_until_done(engine, clock, first)
+    second = request(engine, text_of(100, "s"), output=3)
+    engine.submit(second)
+    run_until_done(engine, clock, second)
+    assert second.cached_tokens == 96
+    assert sample(metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") == 100 + 4
+    assert sample(metrics, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 96
+    assert sample(metrics, "vllm:prompt_tokens_cached_total") == 96
+    assert sample(metrics, "vllm:prompt_tokens_cached_by_source_total", source="device") == 96
+    assert sample(metrics, "vllm:request_prefill_kv_computed_tokens_sum") == 104
+    assert sample(metrics, "vllm:request_num_preemptions_count") == 2
+    assert sample(metrics, "vllm:request_params_n_sum") == 2
+    assert sample(metrics, "vllm:request_max_num_generation_tokens_sum") == 6
+    assert sample(metrics, "vllm:request_params_max_tokens_sum") == 6
+
+
+def test_a_group_of_samples_is_observed_once_when_its_last_member_finishes() -> None:
+    engine, metrics, clock = make_engine()
+    group = RequestGroup(n=3, remaining=3)
+    members = []
+    for i, output in enumerate((2, 5, 3)):
+        req = request(engine, text_of(20, "g"), output=output)
+        req.request_id, req.group = f"{i}_g", group
+        members.append(req)
+        engine.submit(req)
+    run_until_done(engine, clock, *members)
+    assert sample(metrics, "vllm:request_success_total", finished_reason="length") == 3
+    assert sample(metrics, "vllm:request_params_n_count") == 1 and sample(metrics, "vllm:request_params_n_sum") == 3
+    assert sample(metrics, "vllm:request_max_num_generation_tokens_sum") == 5

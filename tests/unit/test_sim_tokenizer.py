@@ -90,3 +90,59 @@ def test_hf_tokenizer_renders_the_chat_template_and_counts_with_tokenizer_json(h
     tokens = hf.encode(text, False)
     assert tokens.count == len(reference.ids) and tokens.ids() == reference.ids
     assert tokens.token_strs() == reference.tokens
+
+
+def test_byte_chunk_ids_handed_out_decode_back_to_their_text() -> None:
+    tok = ByteChunkTokenizer()
+    text = "héllo wörld, the gateway routes requests"
+    tokens = tok.encode(text, False)
+    tok.learn(tokens)
+    assert tok.decode(tokens.ids()) == text
+    assert tok.decode([100, 10**12]) == "d", "unknown ids read as their own bytes; ids past the vocabulary are skipped"
+    assert tok.max_chars_per_token == 4 and tok.content_format == "string"
+
+
+def test_messages_keep_only_the_fields_vllm_passes_to_templates() -> None:
+    chat = normalize_messages([
+        {"role": "user", "content": None, "extra": 1},
+        {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": []},
+        {"role": "assistant", "content": "b", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+    ], openai_parts=True)
+    user, no_alias, call, tool = chat.messages
+    assert user == {"role": "user", "content": []}
+    assert no_alias == {"role": "assistant", "content": [{"type": "text", "text": "a"}]}, "reasoning_content dropped"
+    assert call["tool_calls"][0]["function"]["arguments"] == {}, "unparsable arguments become {}"
+    assert tool == {"role": "tool", "content": "x\ny", "tool_call_id": "1"}
+    aliased = normalize_messages([{"role": "assistant", "content": "a", "reasoning_content": "r"}],
+                                 reasoning_alias=True).messages[0]
+    assert aliased == {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "r"}
+
+
+def test_content_format_is_detected_from_the_template_ast() -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pools.sim.tokenizer import detect_content_format
+
+    env = ImmutableSandboxedEnvironment()
+    assert detect_content_format(env, CHAT_TEMPLATE) == "string"
+    direct = "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
+    assert detect_content_format(env, direct) == "openai"
+    via_macro = ("{% macro t(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+                 "{% for m in messages %}{{ t(m.content) }}{% endfor %}")
+    assert detect_content_format(env, via_macro) == "openai"
+
+
+def test_hf_continue_final_message_and_developer_role(hf_dir: Path) -> None:
+    hf = HFTokenizer(hf_dir)
+    messages = normalize_messages([{"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"},
+                                   {"role": "assistant", "content": "hello wor"}]).messages
+    text = hf.render_chat(messages, tools=None, add_generation_prompt=False, continue_final_message=True,
+                          template_kwargs={})
+    assert text == "<s><|system|>be brief</s>\n<|user|>hi</s>\n<|assistant|>hello wor"
+    from tokenizers import Tokenizer
+
+    ids = hf.encode("hello world", False).ids()
+    reference = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert hf.decode([*ids, 10**6]) == reference.decode(ids, skip_special_tokens=False)
