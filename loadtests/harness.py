@@ -1,0 +1,61 @@
+"""One run end to end: plan → client → replicas' metrics delta → oracle → report files. Used by the CLI, the
+benchmarks and the self-test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.client import RunOutput, Target, run_plan
+from loadtests.replicas import MetricsDelta
+from loadtests.report import build_report, markdown, write_report
+from loadtests.workload import Plan
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def run_dir(name: str, root: Path | None = None) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    return (root or RESULTS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
+
+
+def gateway_replicas(gateway_url: str, admin_key: str | None = None) -> list[str]:
+    """The replica URLs a gateway routes to (its /admin/pools; loopback needs no key)."""
+    req = urllib.request.Request(gateway_url.rstrip("/") + "/admin/pools")
+    if admin_key:
+        req.add_header("authorization", f"Bearer {admin_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            pools = json.loads(resp.read())["pools"]
+    except (OSError, KeyError, ValueError):
+        return []
+    return [url for pool in pools.values() for url in pool.get("replicas", {})]
+
+
+def execute(plan: Plan, target: Target, *, replicas: Sequence[str] = (), out_dir: Path | None = None,
+            oracle: bool = True, plots: bool = True, progress: bool | None = None, quiet: bool = False,
+            extra: Mapping[str, Any] | None = None, **run_kwargs: Any) -> tuple[dict[str, Any], RunOutput]:
+    """Run `plan` against `target`; returns (report, raw run). Writes files when `out_dir` is given."""
+    delta = MetricsDelta(replicas) if replicas else None
+    run = asyncio.run(run_plan(plan, target, progress=progress, **run_kwargs))
+    cache = delta.result() if delta else None
+    oracle_rates = None
+    if oracle:
+        from loadtests.oracle import oracle_hit_rates
+
+        oracle_rates = oracle_hit_rates(plan, sent=[r.index for r in run.results])
+    report = build_report(plan, run, replicas=replicas, cache=cache, oracle=oracle_rates, extra=extra)
+    if out_dir is not None:
+        write_report(report, run, out_dir, plan, plots=plots)
+        report["files"] = str(out_dir)
+    if not quiet:
+        print(markdown(report))
+        if out_dir is not None:
+            print(f"results: {out_dir}")
+    return report, run

@@ -1,0 +1,253 @@
+"""Turn a run's results into the report: JSON, a Markdown table and (loadtests.plots) PNGs.
+
+Per class and overall: request and output-token throughput, TTFT / TPOT / ITL / E2EL (mean, median, std, P50, P95,
+P99 via np.percentile with linear interpolation, as `vllm bench serve`), goodput against per-class SLOs (a request is
+good when every SLO it has holds; TPOT counts as 0 when it produced ≤ 1 token), errors by type, the prefix-cache hit
+rate the replicas reported in their usage (cached_tokens), and routing spread per replica (`x-m3gate-endpoint`).
+The prefix-cache hit rate from the replicas' own /metrics (delta of vllm:prefix_cache_hits_total / queries_total
+over the run) comes from `loadtests.replicas.MetricsDelta` and is added by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtests.client import Result, RunOutput
+from loadtests.workload import Plan, Slo
+
+PERCENTILES = (50, 95, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def stats_ms(values: Sequence[float]) -> dict[str, float | None]:
+    """mean/median/std/p50/p95/p99 in milliseconds (None when there is nothing to measure)."""
+    if not len(values):
+        return {"mean": None, "median": None, "std": None, **{f"p{p}": None for p in PERCENTILES}, "n": 0}
+    arr = np.asarray(values, dtype=float) * 1000.0
+    out: dict[str, float | None] = {"mean": float(np.mean(arr)), "median": float(np.median(arr)),
+                                    "std": float(np.std(arr))}
+    for p, v in zip(PERCENTILES, np.percentile(arr, PERCENTILES)):
+        out[f"p{p}"] = float(v)
+    out["n"] = int(arr.size)
+    return out
+
+
+def tpot_of(r: Result) -> float | None:
+    if r.ttft is None or r.e2el is None or not r.output_tokens or r.output_tokens <= 1:
+        return None
+    return (r.e2el - r.ttft) / (r.output_tokens - 1)
+
+
+def is_good(r: Result, slo: Slo) -> bool:
+    if not r.ok:
+        return False
+    if slo.ttft_ms is not None and (r.ttft is None or r.ttft * 1000 > slo.ttft_ms):
+        return False
+    if slo.tpot_ms is not None:
+        tpot = tpot_of(r) or 0.0
+        if tpot * 1000 > slo.tpot_ms:
+            return False
+    if slo.e2el_ms is not None and (r.e2el is None or r.e2el * 1000 > slo.e2el_ms):
+        return False
+    return True
+
+
+def group_summary(results: Sequence[Result], duration_s: float, slo: Slo | None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    errors = Counter(r.error for r in results if r.error)
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    output = sum(r.output_tokens or 0 for r in ok)
+    cached_known = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2el = [r.e2el for r in ok if r.e2el is not None]
+    tpot = [t for t in (tpot_of(r) for r in ok) if t is not None]
+    itl = [x for r in ok for x in r.itl]
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(errors.most_common()),
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": output / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (prompt + output) / duration_s if duration_s > 0 else 0.0,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "mean_prompt_tokens": prompt / len(ok) if ok else 0.0,
+        "mean_output_tokens": output / len(ok) if ok else 0.0,
+        "ttft_ms": stats_ms(ttft),
+        "tpot_ms": stats_ms(tpot),
+        "itl_ms": stats_ms(itl),
+        "e2el_ms": stats_ms(e2el),
+        "usage_cache_hit_rate": (sum(r.cached_tokens or 0 for r in cached_known)
+                                 / sum(r.prompt_tokens or 0 for r in cached_known)) if cached_known else None,
+    }
+    if slo is not None and slo.as_dict():
+        good = sum(1 for r in results if is_good(r, slo))
+        out["slo"] = slo.as_dict()
+        out["goodput"] = {"good": good, "request_goodput": good / duration_s if duration_s > 0 else 0.0,
+                          "share": good / len(results) if results else 0.0}
+    return out
+
+
+def routing_spread(results: Iterable[Result], replicas: Sequence[str] = ()) -> dict[str, Any]:
+    """Requests and tokens per replica, and the max/mean ratios (a replica listed but never used counts as 0)."""
+    per: dict[str, dict[str, int]] = {r: {"requests": 0, "prompt_tokens": 0, "output_tokens": 0} for r in replicas}
+    for r in results:
+        if not r.replica:
+            continue
+        acc = per.setdefault(r.replica, {"requests": 0, "prompt_tokens": 0, "output_tokens": 0})
+        acc["requests"] += 1
+        acc["prompt_tokens"] += r.prompt_tokens or 0
+        acc["output_tokens"] += r.output_tokens or 0
+    total = sum(v["requests"] for v in per.values())
+    for v in per.values():
+        v["share"] = v["requests"] / total if total else 0.0  # type: ignore[assignment]
+
+    def ratio(key: str) -> float | None:
+        vals = [v[key] for v in per.values()]
+        mean = sum(vals) / len(vals) if vals else 0
+        return max(vals) / mean if mean else None
+
+    return {"per_replica": per, "max_over_mean_requests": ratio("requests"),
+            "max_over_mean_prompt_tokens": ratio("prompt_tokens")}
+
+
+def build_report(plan: Plan, run: RunOutput, *, replicas: Sequence[str] = (), cache: Mapping[str, Any] | None = None,
+                 oracle: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    results = run.results
+    by_class: dict[str, list[Result]] = {}
+    for r in results:
+        by_class.setdefault(r.cls, []).append(r)
+    classes = {c: group_summary(rs, run.duration_s, plan.slos.get(c)) for c, rs in by_class.items()}
+    overall_slo = None
+    overall = group_summary(results, run.duration_s, overall_slo)
+    goods = [c["goodput"]["good"] for c in classes.values() if "goodput" in c]
+    if goods:
+        good = sum(goods)
+        overall["goodput"] = {"good": good, "request_goodput": good / run.duration_s if run.duration_s else 0.0,
+                              "share": good / len(results) if results else 0.0,
+                              "note": "classes without SLOs count as not good" if len(goods) < len(classes) else ""}
+    report: dict[str, Any] = {
+        "workload": plan.name,
+        "source": plan.source,
+        "target": run.target,
+        "started": run.started_wall,
+        "duration_s": run.duration_s,
+        "planned": run.planned,
+        "sent": len(results),
+        "not_sent": run.not_sent,
+        "overall": overall,
+        "classes": classes,
+        "routing": routing_spread(results, replicas),
+    }
+    if cache is not None:
+        report["prefix_cache"] = dict(cache)
+    if oracle is not None:
+        report["oracle"] = dict(oracle)
+    if extra:
+        report.update(extra)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _pct(v: Any) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    lines = [f"# Load test: {report['workload']}", "",
+             f"Target: {report['target']}. Duration {report['duration_s']:.1f} s; {report['sent']} sent of "
+             f"{report['planned']} planned ({report['not_sent']} not sent before the end).", ""]
+    head = ("| class | reqs | ok | err | req/s | out tok/s | TTFT p50/p95/p99 ms | TPOT p50/p95/p99 ms "
+            "| ITL p50/p95/p99 ms | E2E p50/p95/p99 ms | goodput (share) | cache hit (usage) |")
+    lines += [head, "|" + "|".join(["---"] * 12) + "|"]
+
+    def row(name: str, g: Mapping[str, Any]) -> str:
+        def tri(m: str) -> str:
+            s = g[m]
+            return "/".join(_f(s[f"p{p}"]) for p in PERCENTILES)
+
+        gp = g.get("goodput")
+        good = f"{gp['request_goodput']:.2f}/s ({_pct(gp['share'])})" if gp else "–"
+        return (f"| {name} | {g['requests']} | {g['completed']} | {g['failed']} | {g['request_throughput']:.2f} | "
+                f"{g['output_throughput']:.0f} | {tri('ttft_ms')} | {tri('tpot_ms')} | {tri('itl_ms')} | "
+                f"{tri('e2el_ms')} | {good} | {_pct(g['usage_cache_hit_rate'])} |")
+
+    for name, g in report["classes"].items():
+        lines.append(row(name, g))
+    lines.append(row("**overall**", report["overall"]))
+    lines.append("")
+    errors = report["overall"]["errors"]
+    lines.append("Errors by type: " + (", ".join(f"{k} ×{v}" for k, v in errors.items()) if errors else "none"))
+    slos = {c: g["slo"] for c, g in report["classes"].items() if "slo" in g}
+    if slos:
+        lines.append("SLOs: " + "; ".join(f"{c}: " + ", ".join(f"{k} ≤ {v:g}" for k, v in s.items())
+                                           for c, s in slos.items()))
+    cache = report.get("prefix_cache")
+    if cache:
+        lines.append(f"Prefix-cache hit rate from the replicas' /metrics: {_pct(cache.get('rate'))} "
+                     f"({cache.get('hits', 0):.0f} of {cache.get('queries', 0):.0f} prompt tokens)")
+    oracle = report.get("oracle")
+    if oracle:
+        lines.append(f"Oracle hit rate (session per replica, infinite cache): {_pct(oracle.get('session'))}; "
+                     f"global (one infinite cache): {_pct(oracle.get('global'))}")
+    lines += ["", "| replica | requests | share | prompt tokens | output tokens | metrics hit rate |",
+              "|---|---|---|---|---|---|"]
+    per_cache = (cache or {}).get("per_replica", {})
+    for url, v in report["routing"]["per_replica"].items():
+        lines.append(f"| {url} | {v['requests']} | {_pct(v['share'])} | {v['prompt_tokens']} | {v['output_tokens']} | "
+                     f"{_pct((per_cache.get(url) or {}).get('rate'))} |")
+    lines.append(f"\nMax/mean replica load: {_f(report['routing']['max_over_mean_requests'], 2)} (requests), "
+                 f"{_f(report['routing']['max_over_mean_prompt_tokens'], 2)} (prompt tokens)")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan: Plan, *, plots: bool = True,
+                 trace: bool = True) -> list[Path]:
+    """report.json, report.md, results.jsonl (one line per request), trace.jsonl (replayable) and PNG plots."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    p = out_dir / "report.json"
+    p.write_text(json.dumps(report, indent=2, default=str))
+    written.append(p)
+    p = out_dir / "report.md"
+    p.write_text(markdown(report))
+    written.append(p)
+    p = out_dir / "results.jsonl"
+    with p.open("w") as f:
+        for r in run.results:
+            f.write(json.dumps(r.as_dict()) + "\n")
+    written.append(p)
+    if trace:
+        from loadtests.workload import trace_records
+
+        by_index = {i.index: i for i in plan.items}
+        sent = {r.index: r.t_send for r in run.results}
+        items = [by_index[r.index] for r in sorted(run.results, key=lambda r: r.t_send)]
+        p = out_dir / "trace.jsonl"
+        with p.open("w") as f:
+            for rec in trace_records(items, sent):
+                f.write(json.dumps(rec) + "\n")
+        written.append(p)
+    if plots:
+        from loadtests.plots import write_plots
+
+        written += write_plots(run, report, out_dir)
+    return written
