@@ -29,7 +29,7 @@ from gateway.relay import (
     RETRYABLE_STATUS,
     RequestRecord,
     StreamRelay,
-    call_or_disconnect,
+    DisconnectWatch,
     response_headers,
     upstream_headers,
 )
@@ -382,93 +382,97 @@ class Gateway:
         raw_headers = request.scope["headers"]
         tokens = profile.prompt_tokens + profile.output_budget
         last_failure: UpstreamFailure | None = None
-        for attempt, (pool, replica, reason, matched) in enumerate(targets):
-            record.attempts = attempt + 1
-            record.retried = attempt > 0
-            record.pool, record.replica = pool.name, replica.url
-            record.reason = "retry" if attempt else reason
-            record.matched_blocks = matched
-            key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
-            headers = upstream_headers(raw_headers, key)
-            self.telemetry.inject(record, headers)
-            extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url,
-                     **self.traffic.response_headers(record)}
-            guard = replica.guard(tokens)
-            record.t_sent = self.clock()
-            self.policies[pool.name].dispatched(routings.get(pool.name, routing), replica.url, record.t_sent)
-            self.shared.on_dispatch(pool.name, replica.url, routing)
-            upstream: aiohttp.ClientResponse | None = None
-            try:
-                disconnected, upstream = await call_or_disconnect(
-                    request.receive,
-                    self.session.post(replica.url + record.extra["path"], data=payload, headers=headers),
-                )
-                if disconnected:
-                    guard.release()
-                    record.client_disconnected = True
-                    record.status = 499
-                    await self.finished(record)
-                    return Response(status_code=499)
-                assert upstream is not None
-                record.t_headers = self.clock()
-                if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
-                    await upstream.read()
-                    upstream.release()
-                    replica.record_failure(self.clock(), answered=True)
-                    guard.release()
-                    last_failure = UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
-                    continue
-                record.status = upstream.status
-                is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-                if upstream.status >= 500:
-                    replica.record_failure(self.clock(), answered=True)
-                elif not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
-                    replica.record_success()  # byte counts against its replica like a failure before it
-                if is_sse:
-                    record.t_first_byte = self.clock()
-                    return StreamRelay(
-                        upstream, response_headers(upstream.headers, extra), guard, record,
-                        strip_usage, self.finished,
-                    )
+        answered_5xx: list[Replica] = []  # blamed only if another replica answers this request without a 5xx
+        watch = DisconnectWatch(request.receive)  # one watcher for the whole request, not a task per await
+        try:
+            for attempt, (pool, replica, reason, matched) in enumerate(targets):
+                record.attempts = attempt + 1
+                record.retried = attempt > 0
+                record.pool, record.replica = pool.name, replica.url
+                record.reason = "retry" if attempt else reason
+                record.matched_blocks = matched
+                key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
+                headers = upstream_headers(raw_headers, key)
+                self.telemetry.inject(record, headers)
+                extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url,
+                         **self.traffic.response_headers(record)}
+                guard = replica.guard(tokens)
+                record.t_sent = self.clock()
+                self.policies[pool.name].dispatched(routings.get(pool.name, routing), replica.url, record.t_sent)
+                self.shared.on_dispatch(pool.name, replica.url, routing)
+                upstream: aiohttp.ClientResponse | None = None
                 try:
-                    disconnected, body = await call_or_disconnect(request.receive, upstream.read())
-                finally:
-                    upstream.release()
-                    guard.release()
-                record.t_first_byte = record.t_last_byte = self.clock()
-                if disconnected:
-                    record.client_disconnected = True
-                    record.status = 499
+                    upstream = await self.session.post(replica.url + record.extra["path"], data=payload, headers=headers)
+                    record.t_headers = self.clock()
+                    if upstream.status in RETRYABLE_STATUS and attempt + 1 < len(targets):
+                        await upstream.read()
+                        upstream.release()
+                        answered_5xx.append(replica)
+                        guard.release()
+                        last_failure = UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
+                        continue
+                    record.status = upstream.status
+                    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+                    if upstream.status < 500:
+                        # A request every replica answers with a 5xx is the request's fault (one client's odd input must
+                        # not eject replicas); one another replica serves was the failed replica's.
+                        for failed in answered_5xx:
+                            failed.record_failure(self.clock(), answered=True)
+                        if not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
+                            replica.record_success()  # byte counts against its replica like a failure before it
+                    if is_sse:
+                        record.t_first_byte = self.clock()
+                        watch.stop()  # the StreamRelay watches for the disconnect from here on
+                        return StreamRelay(
+                            upstream, response_headers(upstream.headers, extra), guard, record,
+                            strip_usage, self.finished,
+                        )
+                    try:
+                        body = await upstream.read()
+                    finally:
+                        upstream.release()
+                        guard.release()
+                    record.t_first_byte = record.t_last_byte = self.clock()
+                    if upstream.status == 200 and "content-encoding" not in upstream.headers:
+                        record.usage = _usage_of(body)
                     await self.finished(record)
-                    return Response(status_code=499)
-                if upstream.status == 200 and "content-encoding" not in upstream.headers:
-                    record.usage = _usage_of(body)
-                await self.finished(record)
-                return _RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
-            except (aiohttp.ClientError, OSError) as exc:
-                guard.release()
-                if upstream is not None:
-                    upstream.release()
-                replica.record_failure(self.clock())
-                last_failure = UpstreamFailure(
-                    502, f"replica {replica.url} of pool '{pool.name}' is unreachable ({type(exc).__name__})",
-                    "upstream_unreachable",
-                )
-            except asyncio.TimeoutError:
-                guard.release()
-                if upstream is not None:
-                    upstream.release()
-                replica.record_failure(self.clock())
-                last_failure = UpstreamFailure(
-                    504, f"replica {replica.url} of pool '{pool.name}' did not answer in time", "upstream_timeout"
-                )
-            except BaseException:
-                guard.release()
-                if upstream is not None:
-                    upstream.release()
+                    return _RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
+                except (aiohttp.ClientError, OSError) as exc:
+                    guard.release()
+                    if upstream is not None:
+                        upstream.release()
+                    replica.record_failure(self.clock())
+                    last_failure = UpstreamFailure(
+                        502, f"replica {replica.url} of pool '{pool.name}' is unreachable ({type(exc).__name__})",
+                        "upstream_unreachable",
+                    )
+                except asyncio.TimeoutError:
+                    guard.release()
+                    if upstream is not None:
+                        upstream.release()
+                    replica.record_failure(self.clock())
+                    last_failure = UpstreamFailure(
+                        504, f"replica {replica.url} of pool '{pool.name}' did not answer in time", "upstream_timeout"
+                    )
+                except BaseException:
+                    guard.release()
+                    if upstream is not None:
+                        upstream.release()
+                    raise
+            assert last_failure is not None
+            raise last_failure
+        except asyncio.CancelledError:
+            if not watch.disconnected:
                 raise
-        assert last_failure is not None
-        raise last_failure
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # we asked for this cancellation; the handler goes on to answer 499
+            record.client_disconnected = True
+            record.status = 499
+            await self.finished(record)
+            return Response(status_code=499)
+        finally:
+            watch.stop()
 
     async def finished(self, record: RequestRecord) -> None:
         """Called exactly once per request, however it ended: frees its admission slot, feeds latency estimates
@@ -485,8 +489,8 @@ class Gateway:
                     pass  # says nothing about the replica
                 elif record.error is None:
                     replica.record_success()
-                else:  # the replica broke the stream mid-way: eject it as if it had failed before the first byte
-                    replica.record_failure(self.clock())
+                else:  # the replica broke the stream mid-way: a failure like a 5xx answer (ejects when repeated)
+                    replica.record_failure(self.clock(), answered=True)
                 usage = record.usage or {}
                 completion = usage.get("completion_tokens") or 0
                 prompt = usage.get("prompt_tokens") or record.prompt_tokens_est

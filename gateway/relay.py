@@ -128,7 +128,8 @@ class SseFilter:
             return complete
         kept = []
         for event in complete.split(b"\n\n")[:-1]:
-            if self._take_usage(event) and self.strip_usage:
+            if (b'"usage"' in event or b'"response.completed"' in event) and self._take_usage(event) \
+                    and self.strip_usage:
                 continue
             kept.append(event)
         return b"".join(e + b"\n\n" for e in kept)
@@ -254,21 +255,23 @@ class StreamRelay:
             record.usage = filt.usage
 
 
-async def call_or_disconnect(receive: Receive, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run `work` unless the client disconnects first (then cancel it, closing the upstream connection)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return False, task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        return True, None
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
+class DisconnectWatch:
+    """One task per request that cancels the handler if the client goes away while it waits on a replica; the
+    cancellation closes the upstream connection, which is how vLLM learns to abort. Stop it before handing the
+    response to a `StreamRelay` (which watches for itself), so it cannot swallow the disconnect message."""
+
+    __slots__ = ("disconnected", "_target", "_task")
+
+    def __init__(self, receive: Receive) -> None:
+        self.disconnected = False
+        self._target = asyncio.current_task()
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        await _wait_for_disconnect(receive)
+        self.disconnected = True
+        if self._target is not None:
+            self._target.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()

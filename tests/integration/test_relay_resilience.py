@@ -147,3 +147,19 @@ def test_unhealthy_replica_is_avoided(gateway: GatewayProcess, replicas: list[Si
     served = {client.chat.completions.with_raw_response.create(**CHAT, max_tokens=2).headers["x-m3gate-endpoint"]
               for _ in range(6)}
     assert served == {good.url}
+
+
+def test_non_streaming_client_disconnect_aborts_the_upstream_request(
+    gateway: GatewayProcess, replicas: list[SimProcess]
+) -> None:
+    before = sum(s.stats()["aborted"] for s in replicas)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.base_url + "/chat/completions", json={**CHAT, "max_tokens": 4000, "ignore_eos": True},
+                   timeout=0.5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(s.stats()["aborted"] for s in replicas) == before:
+        time.sleep(0.05)
+    assert sum(s.stats()["aborted"] for s in replicas) == before + 1
+    assert all(s.stats()["running"] == 0 for s in replicas)
+    pools = httpx.get(gateway.url + "/admin/pools").json()["pools"]
+    assert all(r["in_flight"] == 0 for r in pools["interactive"]["replicas"].values())
