@@ -86,7 +86,8 @@ class Gateway:
         rebuilt = self._configure_precise(config)
         self.policies = {
             name: (None if policy_changed or name in rebuilt else self.policies.get(name))
-            or build_policy(config.routing.policy, prefix_index=self._prefix_matcher(name))
+            or build_policy(config.routing.policy, prefix_index=self._prefix_matcher(name),
+                            **_policy_params(config))
             for name in self.pools
         }
         self._served = frozenset(config.served_model_ids())
@@ -500,6 +501,13 @@ class Gateway:
                     completion, record.t_last_byte - record.t_first_byte,
                 )
         self.telemetry.finish(record)
+
+
+def _policy_params(config: GatewayConfig) -> dict[str, float]:
+    """The routing tunables the config exposes (round_robin takes none)."""
+    if config.routing.policy == "round_robin":
+        return {}
+    return {"load_epsilon": config.routing.load_epsilon, "load_slack": config.routing.load_slack}
 
 
 class _RawResponse(Response):

@@ -89,7 +89,7 @@ class PreciseConfig(_Strict):
         default=30.0, ge=0, description="After lost history (failed replay, restart, undecodable batch): scored "
         "approximately this long while the exact view rebuilds.",
     )
-    replay_timeout_s: float = Field(default=5.0, gt=0, description="Longest wait for a replay's answer.")
+    replay_timeout_s: float = Field(default=5.0, gt=0, description="Longest silence of a replay's answer.")
 
     @model_validator(mode="after")
     def _usable(self) -> PreciseConfig:
@@ -195,6 +195,12 @@ class RoutingConfig(_Strict):
     policy: RoutingPolicyName = Field(
         default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
     )
+    load_epsilon: float = Field(
+        default=0.25, ge=0, le=10,
+        description="Bounded load: a replica takes a request only while load+1 <= (1+eps)*mean + load_slack. Larger "
+                    "keeps more sessions on their cached replica; smaller spreads a hot prefix more evenly.",
+    )
+    load_slack: float = Field(default=2.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
 
 
 class ServerConfig(_Strict):
