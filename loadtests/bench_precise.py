@@ -1,0 +1,343 @@
+"""Precise prefix routing (the replicas' own KV events) against approximate prefix routing and round robin, under KV
+pressure, side by side in one run.
+
+    python -m loadtests.bench_precise [--quick] [--rounds N] [--kv-blocks K] [--tokenize-cost-only]
+
+Simulated replicas publish KV events exactly as vLLM does (`m3gate sim --kv-events-config ... --prefix-caching-hash-algo
+sha256_cbor --tokenizer DIR`, tcp://*:0 endpoints found through GET /kv_event_sources) and tokenize with the tiny
+test model's tokenizer; the gateway, in the `precise` mode, tokenizes with the same folder and scores replicas from
+their events. Their KV caches are far smaller than the trace's working set (32 groups of ~4,000-token system
+prompts against 4 × 20K tokens of cache): what a replica still holds then depends on evictions the gateway never
+sees (running requests' blocks, vLLM's own LRU order), which the approximate index (pools/prefix_index.py: an LRU of
+what was *sent*, bounded by the KV size) can only guess; a wrong guess both misses the cache and, believing in a
+hit, piles load where the TTFT model says it is cheap. Answers are short and the request rate is near the pool's
+prefill capacity, so misses turn into queueing: that is where TTFT shows the difference (at a rate well below
+capacity, e.g. --rate 8.5, the hit rate still differs but TTFT hardly does).
+
+Modes, each through a freshly started gateway, with the replicas' caches and counters reset before every run:
+`round_robin`, `prefix_affinity` (approximate) and `precise` (prefix_affinity + `precise:` on the pool). Printed side
+by side: the hit rate from the replicas' own /metrics, TTFT p50/p95, throughput, routing reasons and, for precise,
+how replicas were scored (exact vs fallback). Checks: precise hit rate ≥ approximate's, and precise TTFT p95 ≤ 0.8 ×
+approximate's. With --rounds > 1 the modes are interleaved and medians compared.
+
+Also measures what exact tokenization costs the gateway (8K, 128K and 1M-token chats, the tiny tokenizer), and how
+long the event loop stalls meanwhile (the work runs in the hasher's threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import string
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtests.client import Target
+from loadtests.harness import execute, run_dir
+from loadtests.replicas import gateway, sim_pool, wait_gateway_sees
+from loadtests.workload import Plan, build_plan
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+MODES = ("round_robin", "prefix_affinity", "precise")
+REPLICAS = 4
+KV_BLOCKS = 160  # 20K tokens per replica; the trace's prefixes alone need ~3x the cluster's cache
+EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                     "replay_endpoint": "tcp://*:0", "topic": "kv"})
+
+
+def sim_args(tokenizer_dir: Path, kv_blocks: int, speed: float) -> list[str]:
+    return ["--kv-events-config", EVENTS, "--prefix-caching-hash-algo", "sha256_cbor", "--tokenizer",
+            str(tokenizer_dir), "--kv-blocks", str(kv_blocks), "--max-num-seqs", "32", "--speed", str(speed),
+            "--prefill-us-per-token", "60", "--decode-ms-per-step", "12", "--mean-output-tokens", "0",
+            "--tool-call-probability", "0"]
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """The trace: llm-d's shared-prefix shape (groups of prompts sharing a long system prompt, a unique question
+    each), shuffled, Poisson arrivals. Lengths in textgen words (~2.7 tokens each with the tiny tokenizer)."""
+
+    groups: int = 32
+    per_group: int = 8
+    prefix_words: int = 1500  # ~4,000 tokens: ~31 blocks per group, 32 groups ≈ 1.5x the cluster's cache
+    question_words: int = 60
+    output_tokens: int = 64  # short answers: prefill dominates, so a miss costs queueing, not just its own prefill
+    rate: float = 11.0  # at the pool's prefill capacity: a miss costs queueing (at 8.5/s TTFT is even)
+    seed: int = 7
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "name": "precise-pressure", "seed": self.seed, "drain_s": 60,
+            "shape": {"name": "llmd_shared_prefix", "api": "chat", "num_groups": self.groups,
+                      "prompts_per_group": self.per_group, "prefix_len": self.prefix_words,
+                      "question_len": self.question_words, "output_len": self.output_tokens,
+                      "arrival": {"process": "poisson", "rate": self.rate}},
+        }
+
+
+QUICK = Pressure(groups=24, per_group=6)
+
+
+def gateway_config(urls: list[str], mode: str, tokenizer_dir: Path) -> dict[str, Any]:
+    pool: dict[str, Any] = {"name": "bench", "max_model_len": 16384, "endpoints": urls}
+    if mode == "precise":
+        pool["precise"] = {"model_dir": str(tokenizer_dir)}
+    return {
+        "model": MODEL,
+        "pools": [pool],
+        "routing": {"policy": "round_robin" if mode == "round_robin" else "prefix_affinity"},
+        "server": {"health_interval_s": 0.5},
+        "admin": {"watch_config": False},
+        "traffic": {"classes": {"default": {"max_concurrency": 1024, "queue_length": 1024, "max_queue_wait_s": 600}},
+                    "saturation": {"max_waiting": None, "max_kv_usage": None}},
+    }
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+    """Routing reasons and precise-routing counters from the gateway's /metrics."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, dict[str, float]] = {"reasons": {}, "scorings": {}, "fallbacks": {}, "requests": {}}
+    prefixes = {"m3gate_routing_decisions_total{": ("reasons", "reason"),
+                "m3gate_precise_replica_scorings_total{": ("scorings", "source"),
+                "m3gate_precise_fallbacks_total{": ("fallbacks", "reason"),
+                "m3gate_precise_requests_total{": ("requests", "hashes")}
+    for line in text.splitlines():
+        for prefix, (table, label) in prefixes.items():
+            if line.startswith(prefix):
+                labels, _, value = line.rpartition(" ")
+                key = labels.split(f'{label}="', 1)[1].split('"', 1)[0] if f'{label}="' in labels else "?"
+                out[table][key] = out[table].get(key, 0.0) + float(value)
+    return out
+
+
+def wait_synced(url: str, replicas: int, timeout: float = 60.0) -> None:
+    """Until the gateway's exact view of every replica is fresh (event streams connected and replayed): the bench
+    measures steady state, not the first seconds after a gateway start."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        fresh = sum(1 for line in text.splitlines() if line.startswith("m3gate_exact_index_fresh{")
+                    and line.endswith(" 1.0"))
+        if fresh >= replicas:
+            return
+        time.sleep(0.2)
+    print(f"  (the gateway's exact view is not fresh for every replica after {timeout:.0f} s)", flush=True)
+
+
+def _row(mode: str, report: dict[str, Any], gw_metrics: dict[str, Any]) -> dict[str, Any]:
+    o = report["overall"]
+    cache = report.get("prefix_cache") or {}
+    return {"mode": mode, "hit_rate": cache.get("rate"), "ttft_p50": o["ttft_ms"]["p50"],
+            "ttft_p95": o["ttft_ms"]["p95"], "ttft_p99": o["ttft_ms"]["p99"], "req_s": o["request_throughput"],
+            "completed": o["completed"], "failed": o["failed"], "sent": report["sent"],
+            "preemptions": cache.get("preemptions"), "max_over_mean": report["routing"]["max_over_mean_requests"],
+            "gateway": gw_metrics}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def run(pressure: Pressure, rounds: int, kv_blocks: int, speed: float, out_root: Path | None,
+        progress: bool | None) -> dict[str, Any]:
+    from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
+
+    tokenizer_dir = ensure_tiny_tokenizer()
+    plan = build_plan(pressure.spec(), source="bench_precise")
+    folder = out_root or run_dir("precise")
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"workload {plan.name}: {len(plan.items)} requests; {REPLICAS} replicas × {kv_blocks} KV blocks "
+          f"({kv_blocks * 128} tokens each); replica speed {speed:g}", flush=True)
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    with sim_pool(REPLICAS, 16384, sim_args(tokenizer_dir, kv_blocks, speed)) as pool:
+        for rnd in range(rounds):
+            for mode in (MODES if rnd % 2 == 0 else tuple(reversed(MODES))):
+                pool.reset()
+                started = time.monotonic()
+                with gateway(gateway_config(pool.urls, mode, tokenizer_dir)) as gw:
+                    wait_gateway_sees(gw.url, REPLICAS)
+                    time.sleep(1.5)  # a /metrics scrape: the KV sizes
+                    if mode == "precise":
+                        wait_synced(gw.url, REPLICAS)
+                    report, _ = execute(plan, Target(gateway=gw.url), replicas=pool.urls,
+                                        out_dir=folder / f"{mode}-r{rnd}", quiet=True, progress=progress,
+                                        plots=False, oracle=False)
+                    metrics = scrape(gw.url)
+                row = _row(mode, report, metrics)
+                per_mode[mode].append(row)
+                print(f"  round {rnd + 1} {mode:16s} hit {_fmt(row['hit_rate'], '.1%')}  TTFT p50/p95 "
+                      f"{_fmt(row['ttft_p50'], '.0f')}/{_fmt(row['ttft_p95'], '.0f')} ms  {row['completed']}/"
+                      f"{row['sent']} ok  reasons {metrics.get('reasons')}  ({time.monotonic() - started:.0f} s)",
+                      flush=True)
+    rows = {m: _median(v) for m, v in per_mode.items()}
+    result = {"workload": plan.summary(), "pressure": pressure.__dict__, "replicas": REPLICAS, "kv_blocks": kv_blocks,
+              "speed": speed,
+              "rounds": rounds, "rows": rows, "per_round": per_mode, "checks": checks(rows), "folder": str(folder)}
+    (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(rows[-1])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            out[key] = statistics.median(vals) if vals else None
+    return out
+
+
+def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    pa, pr = rows["prefix_affinity"], rows["precise"]
+    out = [
+        {"name": "precise hit rate ≥ approximate prefix_affinity's",
+         "value": f"{_fmt(pr['hit_rate'], '.1%')} vs {_fmt(pa['hit_rate'], '.1%')}",
+         "ok": pr["hit_rate"] is not None and pa["hit_rate"] is not None and pr["hit_rate"] >= pa["hit_rate"]},
+        {"name": "precise TTFT p95 ≤ 0.8 × approximate prefix_affinity's",
+         "value": f"{_fmt(pr['ttft_p95'], '.0f')} ms vs 0.8 × {_fmt(pa['ttft_p95'], '.0f')} ms (ratio "
+                  f"{_fmt(pr['ttft_p95'] / pa['ttft_p95'] if pr['ttft_p95'] and pa['ttft_p95'] else None, '.2f')})",
+         "ok": bool(pr["ttft_p95"] and pa["ttft_p95"] and pr["ttft_p95"] <= 0.8 * pa["ttft_p95"])},
+        {"name": "no failed requests", "value": str(sum(r["failed"] for r in rows.values())),
+         "ok": all(r["failed"] == 0 for r in rows.values())},
+    ]
+    return out
+
+
+def cost_text(cost: list[dict[str, Any]]) -> list[str]:
+    lines = ["### Exact tokenization in the gateway (tiny test tokenizer, chat template + encode + sha256_cbor)",
+             "", "| prompt | tokens | blocks | hash time ms (median) | event-loop max stall ms |",
+             "|---|---|---|---|---|"]
+    for c in cost:
+        lines.append(f"| {c['label']} | {c['tokens']} | {c['blocks']} | {c['ms']:.0f} | {c['stall_ms']:.1f} |")
+    return [*lines, ""]
+
+
+def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> str:
+    rows = result["rows"]
+    lines = [f"## Precise vs approximate prefix routing under KV pressure ({result['replicas']} simulated replicas × "
+             f"{result['kv_blocks']} KV blocks, {result['rounds']} round(s), medians)", "",
+             "| mode | hit rate (replicas) | TTFT p50 / p95 / p99 ms | req/s | max/mean load | ok / sent | "
+             "preemptions |", "|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        r = rows[mode]
+        lines.append(f"| {mode} | {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['ttft_p50'], '.0f')} / "
+                     f"{_fmt(r['ttft_p95'], '.0f')} / {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['req_s'], '.2f')} | "
+                     f"{_fmt(r['max_over_mean'], '.2f')} | {r['completed']} / {r['sent']} | "
+                     f"{_fmt(r['preemptions'], '.0f')} |")
+    lines.append("")
+    for c in result["checks"]:
+        lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']}: {c['value']}")
+    gw = rows["precise"].get("gateway") or {}
+    lines += ["", f"precise routing reasons: {gw.get('reasons')}",
+              f"precise replica scorings: {gw.get('scorings')}; fallbacks: {gw.get('fallbacks') or {}}; "
+              f"requests with exact hashes: {gw.get('requests')}",
+              f"approximate routing reasons: {(rows['prefix_affinity'].get('gateway') or {}).get('reasons')}", ""]
+    if cost:
+        lines += cost_text(cost)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What exact tokenization costs
+
+
+def _prose(rnd: random.Random, tokens: int, tokenizer: Any) -> str:
+    words = ["".join(rnd.choices(string.ascii_lowercase, k=rnd.randint(2, 9))) for _ in range(3000)]
+    sample = " ".join(rnd.choice(words) for _ in range(2000))
+    per_word = len(tokenizer.encode(sample, False)) / 2000
+    return " ".join(rnd.choice(words) for _ in range(int(tokens / per_word)))
+
+
+def tokenize_cost(
+    sizes: tuple[int, ...] = (8192, 131072, 1048576), max_chars: int | None = None
+) -> list[dict[str, Any]]:
+    """Hash chat requests of these sizes through PromptHasher (worker threads) while a 1 ms ticker runs on the loop."""
+    from pools.tokenizer import HashSettings, LocalTokenizer, PromptHasher
+    from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
+
+    local = LocalTokenizer(ensure_tiny_tokenizer(), max_chars=max_chars)
+    hasher = PromptHasher(local, HashSettings(block_size=128))
+    rnd = random.Random(3)
+    out = []
+
+    async def measure(body: bytes) -> tuple[float, float, int]:
+        stalls: list[float] = []
+
+        async def ticker() -> None:
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                stalls.append(time.perf_counter() - t - 0.001)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        hashes = await hasher.hashes(body, "chat")
+        elapsed = time.perf_counter() - t0
+        task.cancel()
+        return elapsed, max(stalls or [0.0]), len(hashes)
+
+    try:
+        for size in sizes:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": _prose(rnd, size, local)}]}
+            tokens = len(local.token_ids_sync(body, "chat")[0])  # type: ignore[index]
+            payload = orjson.dumps(body)  # as the gateway has it: the body's bytes (large ones go to a process)
+            runs = [asyncio.run(measure(payload)) for _ in range(3 if size <= 131072 else 2)]
+            ms = statistics.median(r[0] for r in runs) * 1000
+            label = f"{size // 1024}K" if size < 1 << 20 else f"{size >> 20}M"
+            out.append({"label": label, "tokens": tokens, "blocks": runs[0][2], "ms": ms,
+                        "stall_ms": max(r[1] for r in runs) * 1000})
+            print(f"  tokenize+hash {label}: {tokens} tokens, {runs[0][2]} blocks, {ms:.0f} ms, event loop stalled "
+                  f"at most {out[-1]['stall_ms']:.1f} ms", flush=True)
+    finally:
+        hasher.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a shorter trace")
+    for name, default in Pressure().__dict__.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
+                            help=f"trace: {name} (default {default}; --quick: {getattr(QUICK, name)})")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are compared")
+    parser.add_argument("--kv-blocks", type=int, default=KV_BLOCKS, help="KV blocks per simulated replica")
+    parser.add_argument("--speed", type=float, default=1.0, help="the replicas' --speed (lower: heavier load)")
+    parser.add_argument("--tokenize-cost-only", action="store_true", help="only measure exact tokenization")
+    parser.add_argument("--no-tokenize-cost", action="store_true", help="skip the tokenization measurement")
+    parser.add_argument("--out", help="results folder")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    args = parser.parse_args(argv)
+    cost = None if args.no_tokenize_cost else tokenize_cost()
+    if args.tokenize_cost_only:
+        print("\n".join(cost_text(cost or [])))
+        return 0
+    pressure = QUICK if args.quick else Pressure()
+    pressure = replace(pressure, **{k: getattr(args, k) for k in pressure.__dict__ if getattr(args, k) is not None})
+    result = run(pressure, args.rounds, args.kv_blocks, args.speed, Path(args.out) if args.out else None,
+                 args.progress)
+    text = summary_text(result, cost)
+    (Path(result["folder"]) / "summary.md").write_text(text)
+    print(text)
+    print(f"results: {result['folder']}")
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
