@@ -12,10 +12,7 @@ find that replica through the prefix index gateway 1 shared.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import socket
 import string
 import subprocess
 import time
@@ -25,58 +22,21 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from gateway.launcher import GatewayProcess, start_gateway
 from policies.prefix import prefix_blocks
 from policies.replica_choice import rendezvous_weight
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.private_redis import PrivateRedis
 
 MODEL = "MiniMaxAI/MiniMax-M3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    """A throwaway `redis-server` (no persistence) on a fixed port, stopped by PID."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, db=7, socket_connect_timeout=0.5)
 
 
 @pytest.fixture(scope="module")
 def private_redis() -> Iterator[PrivateRedis]:
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
         pytest.skip("redis-server is not installed")
-    server = PrivateRedis(_free_port())
+    server = PrivateRedis()
     server.start()
     try:
         yield server

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 from policies.snapshot import RoutingRequest
 from pools.shared_state import RedisState
+from tests.support.private_redis import PrivateRedis
 
 SHARED_REDIS = "redis://127.0.0.1:6379/7"
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,43 +175,9 @@ async def test_a_crashed_gateways_in_flight_expires_by_ttl(prefix: str, crashed_
 # -- outage: a Redis of our own, stopped and restarted -------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    """A throwaway `redis-server` (no persistence) on a fixed port, stopped by PID."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        self.proc = None
-
-
 @pytest.fixture
 def private_redis() -> Iterator[PrivateRedis]:
-    server = PrivateRedis(_free_port())
+    server = PrivateRedis()
     server.start()
     try:
         yield server
