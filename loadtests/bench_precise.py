@@ -44,7 +44,7 @@ import orjson
 from loadtests.client import Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import gateway, sim_pool, wait_gateway_sees
-from loadtests.workload import Plan, build_plan
+from loadtests.workload import build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 MODES = ("round_robin", "prefix_affinity", "precise")
