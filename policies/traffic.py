@@ -122,7 +122,8 @@ def _count_images(parts: list[Any], where: str, limits: InputLimitsConfig, depth
     for j, part in enumerate(parts):
         if not isinstance(part, dict):
             continue
-        if part.get("type") in _IMAGE_PARTS:
+        kind = part.get("type")
+        if isinstance(kind, str) and kind in _IMAGE_PARTS:  # a list or object there is unhashable: not an image
             images += 1
             size = _inline_image_chars(part)
             if size > limits.max_image_data_url_bytes:
