@@ -422,11 +422,14 @@ class Gateway:
                         if not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
                             replica.record_success()  # byte counts against its replica like a failure before it
                     if is_sse:
+                        # Hold the client's 200 back until the first token's event: a replica that dies during
+                        # prefill is then still retried elsewhere, unseen, instead of breaking a started stream.
+                        first_chunk = await upstream.content.readany()
                         record.t_first_byte = self.clock()
                         watch.stop()  # the StreamRelay watches for the disconnect from here on
                         return StreamRelay(
                             upstream, response_headers(upstream.headers, extra), guard, record,
-                            strip_usage, self.finished,
+                            strip_usage, self.finished, first_chunk=first_chunk,
                         )
                     try:
                         body = await upstream.read()

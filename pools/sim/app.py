@@ -397,7 +397,8 @@ class SimApp:
                           system_fingerprint=self.fingerprint, stream=stream, **fields)
 
     def _respond(self, gen: Generation, shape: Any) -> Response:
-        drop_after = 2 + (gen.sim.prompt_tokens % 3) if self.faults.should_drop() else None
+        fixed = self.faults.current.drop_after_chunks
+        drop_after = (2 + (gen.sim.prompt_tokens % 3) if fixed is None else fixed) if self.faults.should_drop() else None
         return GenerationResponse(self, gen, shape, drop_after)
 
     # ---- generate routes -------------------------------------------------------------------------------------
@@ -704,6 +705,8 @@ class GenerationResponse(Response):
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        if self.drop_after == 0:  # headers out, then the connection cut: a replica dying during prefill
+            raise self._drop()
         sent = 0
         async for chunk in self.shape.events(self.gen):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

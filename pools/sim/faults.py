@@ -19,6 +19,7 @@ class FaultSettings:
     added_latency_ms: float = 0.0  # extra delay before a generate request is handled
     hang: bool = False  # generate requests are accepted and never answered (until the client gives up)
     drop_mid_stream: float = 0.0  # share of generate responses whose connection is cut after a few chunks
+    drop_after_chunks: int | None = None  # with drop_mid_stream: cut after exactly this many chunks (0: before any)
     refuse_connections: bool = False  # stop listening: new connections are refused (ECONNREFUSED)
     refuse_for_s: float | None = None  # with refuse_connections: listen again after this many seconds
     unhealthy: bool = False  # /health answers 503 while requests are still served
@@ -33,6 +34,7 @@ class FaultUpdate(BaseModel):
     added_latency_ms: float | None = Field(default=None, ge=0)
     hang: bool | None = None
     drop_mid_stream: float | None = Field(default=None, ge=0, le=1)
+    drop_after_chunks: int | None = Field(default=None, ge=0)
     refuse_connections: bool | None = None
     refuse_for_s: float | None = Field(default=None, gt=0)
     unhealthy: bool | None = None

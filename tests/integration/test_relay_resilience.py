@@ -42,11 +42,13 @@ def gateway(replicas: list[SimProcess]) -> Iterator[GatewayProcess]:
 @pytest.fixture(autouse=True)
 def healthy_replicas(replicas: list[SimProcess]) -> Iterator[None]:
     for sim in replicas:
-        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, unhealthy=False, added_latency_ms=0)
+        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, drop_after_chunks=None, unhealthy=False,
+                       added_latency_ms=0)
     time.sleep(0.4)
     yield
     for sim in replicas:
-        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, unhealthy=False, added_latency_ms=0)
+        sim.set_faults(error_rate=0.0, hang=False, drop_mid_stream=0.0, drop_after_chunks=None, unhealthy=False,
+                       added_latency_ms=0)
 
 
 def _normalise(sse: bytes) -> bytes:
@@ -163,3 +165,20 @@ def test_non_streaming_client_disconnect_aborts_the_upstream_request(
     assert all(s.stats()["running"] == 0 for s in replicas)
     pools = httpx.get(gateway.url + "/admin/pools").json()["pools"]
     assert all(r["in_flight"] == 0 for r in pools["interactive"]["replicas"].values())
+
+
+def test_replica_dying_before_the_first_token_is_retried_unseen(
+    gateway: GatewayProcess, replicas: list[SimProcess]
+) -> None:
+    """The client's 200 waits for the first token: a replica that drops the stream before any event (here: its
+    headers sent, then the connection cut at once) costs the client nothing."""
+    for sim in replicas:
+        sim.set_faults(added_latency_ms=0)
+    broken, good = replicas
+    broken.set_faults(drop_mid_stream=1.0, drop_after_chunks=0)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+    dropped_before = broken.stats()["dropped"]
+    for _ in range(4):
+        chunks = list(client.chat.completions.create(**CHAT, max_tokens=8, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert broken.stats()["dropped"] > dropped_before, "the broken replica was never tried"
