@@ -453,6 +453,8 @@ class ScenarioResult:
         ok = self.failed_before_first_byte == 0 and self.silent_cuts == 0 and self.stalled == 0 and self.sent > 0
         if self.name in ("redis", "reload", "unhealthy", "errors", "hang"):
             ok &= self.failed_after_first_byte == 0  # nothing broke a started stream: nothing may fail
+        if self.name in ("kill", "hang", "unhealthy", "redis", "reload"):
+            ok &= self.eject_s is not None and self.readmit_s is not None  # seen going, and coming back
         return ok
 
 
