@@ -48,6 +48,7 @@ import aiohttp
 import httpx
 
 from gateway.launcher import GatewayProcess, free_port, start_gateway
+from pools.replicas import EJECT_MAX_S
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -212,7 +213,7 @@ class Cluster:
     def pools(self, gw: GatewayProcess) -> dict[str, Any]:
         return httpx.get(gw.url + "/admin/pools", timeout=5).json()["pools"]
 
-    def wait_all_available(self, timeout: float = 15.0) -> None:
+    def wait_all_available(self, timeout: float = EJECT_MAX_S + 15.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ok = True
@@ -486,8 +487,17 @@ def run_scenario(cluster: Cluster, name: str, settings: Settings, target_index: 
         await asyncio.sleep(settings.redis_outage_s if name == "redis" else settings.fault_s)
         await asyncio.to_thread(repair)
         await asyncio.sleep(settings.recover_s)
+        # A replica ejected several times is back only when its back-off (1 s doubling, at most EJECT_MAX_S) runs
+        # out, after its last failed request: keep the load on until it serves again, to measure that too.
+        until = time.monotonic() + cluster.read_timeout_s + EJECT_MAX_S + 5
+        while name != "redis" and not served_again() and time.monotonic() < until:
+            await asyncio.sleep(0.25)
         load.stop()
         await asyncio.wait_for(task, load.request_timeout_s + 5)
+
+    def served_again() -> bool:
+        repaired = marks.get("repaired", float("inf"))
+        return any(o.endpoint == target.url and o.kind == "ok" and o.t_start >= repaired for o in load.outcomes)
 
     def inject() -> None:
         nonlocal target

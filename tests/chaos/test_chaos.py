@@ -55,13 +55,13 @@ def test_fault_is_detected(results: dict[str, ScenarioResult], name: str) -> Non
     assert r.eject_s < (4.0 if name == "hang" else 3.0), r  # a hang is seen after upstream_read_timeout_s (2 s)
 
 
-@pytest.mark.parametrize("name", ["kill", "unhealthy", "reload", "redis"])
+@pytest.mark.parametrize("name", ["kill", "hang", "unhealthy", "reload", "redis"])
 def test_repair_is_noticed(results: dict[str, ScenarioResult], name: str) -> None:
-    """(A hung replica comes back after its last hung request times out and its ejection back-off, 1 s doubling:
-    that can outlast the short version's 3 s of recovery, so `hang` is reported here and asserted by the full run.)"""
+    """(A hung replica comes back once its last hung request timed out (2 s) and its ejection back-off (1 s,
+    doubling, at most 30 s) ran out; the load stays on until then.)"""
     r = results[name]
     assert r.readmit_s is not None, f"{r.title}: never served again after the repair"
-    assert r.readmit_s < 5.0, r
+    assert r.readmit_s < (2.0 + 30.0 + 2.0 if name == "hang" else 5.0), r
 
 
 def test_drop_scenario_really_broke_streams(results: dict[str, ScenarioResult]) -> None:
