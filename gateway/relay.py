@@ -40,7 +40,7 @@ NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "cookie", "accept-en
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """What happened to one request, stage by stage (monotonic seconds); telemetry reads it when it ends."""
 
