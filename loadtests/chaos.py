@@ -28,13 +28,9 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import random
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import zlib
@@ -47,7 +43,8 @@ from typing import Any
 import aiohttp
 import httpx
 
-from gateway.launcher import GatewayProcess, free_port, start_gateway
+from gateway.launcher import GatewayProcess, start_gateway
+from loadtests.private_redis import PrivateRedis
 from pools.replicas import EJECT_MAX_S
 from pools.sim.launcher import SimProcess, start_sim
 
@@ -69,56 +66,6 @@ TITLES = {
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
-
-
-class PrivateRedis:
-    """A throwaway `redis-server` on a free loopback port (no persistence), stopped and restarted by PID."""
-
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
-        self.port = port or free_port()
-        self.password = password
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server is not installed (make redis installs it)")
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--daemonize", "no"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ping():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.3) as s:
-                if self.password:
-                    s.sendall(f"AUTH {self.password}\r\n".encode())
-                    s.recv(64)
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5)
 
 
 @dataclass

@@ -389,20 +389,7 @@ class _Prompt:
         role = item.get("role")
         if not isinstance(role, str) or not role:
             raise _bad_role(("input", i, "role"), role, "'user', 'assistant', 'system' or 'developer'")
-        self.overhead += MESSAGE_OVERHEAD_TOKENS
-        content = item.get("content")
-        if isinstance(content, str):
-            self.texts.append(content)
-        elif isinstance(content, list):
-            self._parts(content, ("input", i, "content"))
-        elif content is None:
-            raise RequestRejected(
-                f"input[{i}] (role {role!r}) has no content; give it a string or a list of content parts.",
-                param=f"input[{i}].content",
-                code="missing_required_parameter",
-            )
-        else:
-            raise _bad_type(("input", i, "content"), "a string or a list of content parts")
+        self._message_content(item, "input", i, "content parts", role)
 
     # Anthropic messages --------------------------------------------------------------------------------------
     def anthropic(self, body: dict[str, Any]) -> None:
@@ -423,20 +410,27 @@ class _Prompt:
             role = message.get("role")
             if role not in ("user", "assistant"):
                 raise _bad_role(("messages", i, "role"), role, "'user' or 'assistant' (put system text in `system`)")
-            self.overhead += MESSAGE_OVERHEAD_TOKENS
-            content = message.get("content")
-            if isinstance(content, str):
-                self.texts.append(content)
-            elif isinstance(content, list):
-                self._parts(content, ("messages", i, "content"))
-            elif content is None:
-                raise RequestRejected(
-                    f"messages[{i}] has no content; give it a string or a list of content blocks.",
-                    param=f"messages[{i}].content",
-                    code="missing_required_parameter",
-                )
-            else:
-                raise _bad_type(("messages", i, "content"), "a string or a list of content blocks")
+            self._message_content(message, "messages", i, "content blocks")
+
+    def _message_content(self, message: dict[str, Any], field: str, i: int, parts: str,
+                         role: str | None = None) -> None:
+        """A Responses or Anthropic message's required content: a string or a list of `parts` (the API's word).
+        `role`, when given, is named in the error for missing content."""
+        self.overhead += MESSAGE_OVERHEAD_TOKENS
+        content = message.get("content")
+        if isinstance(content, str):
+            self.texts.append(content)
+        elif isinstance(content, list):
+            self._parts(content, (field, i, "content"))
+        elif content is None:
+            who = f"{field}[{i}]" if role is None else f"{field}[{i}] (role {role!r})"
+            raise RequestRejected(
+                f"{who} has no content; give it a string or a list of {parts}.",
+                param=f"{field}[{i}].content",
+                code="missing_required_parameter",
+            )
+        else:
+            raise _bad_type((field, i, "content"), f"a string or a list of {parts}")
 
     # content parts (all APIs) --------------------------------------------------------------------------------
     def _parts(self, parts: list[Any], loc: Loc, nested: bool = False) -> None:

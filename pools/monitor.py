@@ -16,6 +16,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pools.replicas import Replica, ScrapedLoad
+from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.monitor")
 
@@ -85,11 +86,7 @@ class ReplicaMonitor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pools.sim.protocol import request_validation_error
+
 TOOL_TAG = "]<]minimax[>["
 
 CONTENT_WORDS = ("The", " replica", " answers", " with", " simulated", " tokens", " that", " carry", " no", " meaning",
@@ -119,6 +121,17 @@ def _tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return schema if isinstance(schema, dict) else {}
 
 
+def check_tools(tools: list[dict[str, Any]] | None) -> None:
+    """Refuse tools whose `function` is there but not an object, word for word as vLLM 0.32 does over HTTP (its
+    ChatCompletionToolsParam.function is a pydantic model): 400 "Bad Request" listing every such tool. Without this,
+    `_tool_name` / `_tool_schema` crashed on it (a plain 500) whenever the plan called a tool."""
+    errors = [{"type": "model_attributes_type", "loc": ("body", "tools", i, "function"),
+               "msg": "Input should be a valid dictionary or object to extract fields from", "input": tool["function"]}
+              for i, tool in enumerate(tools or ()) if "function" in tool and not isinstance(tool["function"], dict)]
+    if errors:
+        raise request_validation_error(errors)
+
+
 def named_tool(tool_choice: Any) -> str | None:
     """The function name when tool_choice forces one ({"type":"function","function":{"name":…}} or {"name":…})."""
     if isinstance(tool_choice, dict):
@@ -135,6 +148,7 @@ def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thi
                 min_tokens: int = 0, mean_output_tokens: int = 256, tool_call_probability: float = 0.5,
                 adaptive_thinking_probability: float = 0.5) -> OutputPlan:
     """Decide the answer's shape. `fingerprint` identifies the prompt (equal prompts → equal plans)."""
+    check_tools(tools)  # before any random draw: a bad tool is refused whatever the plan would have been
     rng = random.Random((seed << 64) ^ fingerprint)
     max_tokens = max(1, max_tokens)
     if ignore_eos or mean_output_tokens <= 0:

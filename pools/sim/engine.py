@@ -23,6 +23,7 @@ from pools.sim.kv import KVCacheManager, blocks_for
 from pools.sim.metrics import SimMetrics
 from pools.sim.prefix_cache import CacheEventSink, PrefixCache
 from pools.sim.settings import CostModel
+from pools.tasks import cancel_and_wait
 
 
 class EngineBusy(Exception):
@@ -125,11 +126,7 @@ class Engine:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
 
     # ---- requests --------------------------------------------------------------------------------------------

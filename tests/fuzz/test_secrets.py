@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.launcher import GatewayProcess, start_gateway
-from loadtests.chaos import PrivateRedis
+from loadtests.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.slow]

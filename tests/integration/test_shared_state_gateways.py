@@ -27,7 +27,7 @@ from gateway.launcher import GatewayProcess, start_gateway
 from policies.prefix import prefix_blocks
 from policies.replica_choice import rendezvous_weight
 from pools.sim.launcher import SimProcess, running_sims
-from tests.support.private_redis import PrivateRedis
+from loadtests.private_redis import PrivateRedis
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 
@@ -36,7 +36,7 @@ MODEL = "MiniMaxAI/MiniMax-M3"
 def private_redis() -> Iterator[PrivateRedis]:
     if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
         pytest.skip("redis-server is not installed")
-    server = PrivateRedis()
+    server = PrivateRedis(db=7)
     server.start()
     try:
         yield server

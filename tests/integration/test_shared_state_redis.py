@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from policies.snapshot import RoutingRequest
 from pools.shared_state import RedisState
-from tests.support.private_redis import PrivateRedis
+from loadtests.private_redis import PrivateRedis
 
 SHARED_REDIS = "redis://127.0.0.1:6379/7"
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ async def test_a_crashed_gateways_in_flight_expires_by_ttl(prefix: str, crashed_
 
 @pytest.fixture
 def private_redis() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
+    server = PrivateRedis(db=7)
     server.start()
     try:
         yield server

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pools.sim.behaviour import TOOL_TAG, native_tool_call, plan_output
+from pools.sim.protocol import ApiError
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"},
@@ -78,3 +81,18 @@ def test_native_tool_syntax_uses_the_minimax_prefix() -> None:
     text = native_tool_call("f", {"a": 1})
     assert text.startswith(f"{TOOL_TAG}<tool_call>{TOOL_TAG}<invoke name=\"f\">")
     assert text.endswith(f"{TOOL_TAG}</invoke>{TOOL_TAG}</tool_call>")
+
+
+def test_a_tool_function_that_is_not_an_object_is_a_400_whatever_the_plan() -> None:
+    """vLLM refuses it in its request model; the simulator used to crash (500) only when the plan called a tool."""
+    bad = [{"type": "function", "function": "x"}, *TOOLS, {"type": "function", "function": None}]
+    for fingerprint in range(10):
+        for choice in (None, "auto", "required"):
+            with pytest.raises(ApiError) as caught:
+                plan_output(seed=0, fingerprint=fingerprint, max_tokens=100, chat=True, tools=bad, tool_choice=choice)
+            err = json.loads(caught.value.body())["error"]
+            assert (err["type"], err["code"], err["param"]) == ("Bad Request", 400, "body.tools.0.function")
+            assert err["message"].startswith("2 validation errors:\n  {'type': 'model_attributes_type', "
+                                             "'loc': 'body.tools.0.function'")
+            assert "'loc': 'body.tools.2.function'" in err["message"] and "'input': 'None'" in err["message"]
+    assert plan_output(seed=0, fingerprint=1, max_tokens=100, chat=True, tools=TOOLS, tool_choice="required").tool_call
