@@ -523,6 +523,10 @@ class _RawResponse(Response):
         self.background = None
         self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
 
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # Starlette's, minus what it never needs
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
 
 class _PreciseHubs:
     """The precise pools' event hubs as one, for the metrics collector (pools come and go with reloads)."""
