@@ -29,7 +29,7 @@ from gateway.relay import (
     RETRYABLE_STATUS,
     RequestRecord,
     StreamRelay,
-    DisconnectWatch,
+    DisconnectWatches,
     response_headers,
     upstream_headers,
 )
@@ -68,6 +68,7 @@ class Gateway:
         self.monitor: ReplicaMonitor | None = None
         self.precise: dict[str, PrecisePool] = {}  # pools routing from their replicas' KV events
         self._precise_tasks: set[asyncio.Task[None]] = set()  # starts and stops after reloads, kept referenced
+        self.watches = DisconnectWatches()
         self._apply_config(config)
         self.telemetry = Telemetry(self)
         self._register_precise_metrics()
@@ -134,6 +135,7 @@ class Gateway:
             self.session, self.all_replicas, server.health_interval_s, headers_for=self._probe_headers,
             clock=self.clock, on_capacity=self.sync_prefix_index,
         )
+        self.watches.start()
         await self.discovery.sync()
         await self.monitor.poll_once()
         self.monitor.start()
@@ -142,6 +144,7 @@ class Gateway:
         await self._start_precise()
 
     async def stop(self) -> None:
+        await self.watches.stop()
         await self._stop_precise()
         await self.discovery.stop()
         await self.traffic.stop()
@@ -385,7 +388,7 @@ class Gateway:
         tokens = profile.prompt_tokens + profile.output_budget
         last_failure: UpstreamFailure | None = None
         answered_5xx: list[Replica] = []  # blamed only if another replica answers this request without a 5xx
-        watch = DisconnectWatch(request.receive)  # one watcher for the whole request, not a task per await
+        watch = self.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
         try:
             for attempt, (pool, replica, reason, matched) in enumerate(targets):
                 record.attempts = attempt + 1
