@@ -43,6 +43,7 @@ import orjson
 
 from loadtests.client import Result, _error_code, _send
 from loadtests.harness import run_dir
+from loadtests.peers import start_peer
 from loadtests.replicas import (
     GatewayProc,
     cpu_seconds,
@@ -239,6 +240,50 @@ def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict
     for key in ("p50_ms", "p99_ms", "itl_p50_ms", "itl_p99_ms"):
         out[f"added_{key}"] = (g[key] - d[key]) if g[key] is not None and d[key] is not None else None
     out["rps_ratio"] = g["rps"] / d["rps"] if d["rps"] else None
+    return out
+
+
+def reference_c32(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict[str, Any], seconds: float,
+                  rounds: int, peers: Sequence[str]) -> dict[str, Any]:
+    """Non-streaming c=32 through m3gate and through reference proxies (loadtests.peers), each pinned to the
+    gateway's core, segments interleaved with direct ones: what any proxy costs on this machine vs what m3gate
+    costs."""
+    started: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for name in peers:
+        try:
+            started[name] = start_peer(name, direct_urls)
+            pin(started[name].pid, GW_CPU)
+        except RuntimeError as exc:
+            notes[name] = str(exc).splitlines()[0][:200]
+    targets: dict[str, tuple[list[str], int | None]] = {"direct": (list(direct_urls), None), "m3gate": ([gw_url], gw_pid)}
+    targets.update({name: ([peer.url], peer.pid) for name, peer in started.items()})
+    segs: dict[str, list[Segment]] = {name: [] for name in targets}
+    try:
+        for urls, _ in targets.values():
+            run_segment(urls, body, 32, 1.0, None, "reference warm-up")
+        order = list(targets)
+        for r in range(rounds):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                urls, pid = targets[name]
+                segs[name].append(run_segment(urls, body, 32, seconds, pid, f"reference {name}"))
+    finally:
+        for peer in started.values():
+            peer.stop()
+    out: dict[str, Any] = {"notes": notes, "targets": {}}
+    for name, ss in segs.items():
+        lat = [x for s in ss for x in s.latencies]
+        ok = sum(s.ok for s in ss)
+        wall = sum(s.wall for s in ss)
+        cpu = sum(s.gw_cpu or 0.0 for s in ss) if name != "direct" else None
+        out["targets"][name] = {"requests": ok, "rps": ok / wall if wall else 0.0, "p50_ms": pct(lat, 50),
+                                "p99_ms": pct(lat, 99), "cpu_ms_per_req": 1000 * cpu / ok if cpu and ok else None,
+                                "cpu_share": cpu / wall if cpu and wall else None}
+    d = out["targets"]["direct"]
+    for t in out["targets"].values():
+        for key in ("p50_ms", "p99_ms"):
+            t[f"added_{key}"] = t[key] - d[key] if t[key] is not None and d[key] is not None else None
+        t["rps_ratio"] = t["rps"] / d["rps"] if d["rps"] else None
     return out
 
 
@@ -460,7 +505,7 @@ def _f(v: Any, spec: str = ".2f") -> str:
 
 
 def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, folder: Path,
-        open_streams: int) -> dict[str, Any]:
+        open_streams: int, peers: Sequence[str] = ("floor", "sglang-router")) -> dict[str, Any]:
     fd = raise_fd_limit(20000)
     cpus = os.sched_getaffinity(0)
     pinned = len(cpus | set(range(os.cpu_count() or 1))) >= 2 and pin(os.getpid(), LOAD_CPU)
@@ -495,6 +540,15 @@ def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, fold
             print(f"  non-stream {PACED_RPS}/s open loop (≤ 32 in flight) p50 {_f(d['p50_ms'])} → {_f(g['p50_ms'])} ms "
                   f"(+{_f(r['added_p50_ms'])})  p99 {_f(d['p99_ms'])} → {_f(g['p99_ms'])} ms (+{_f(r['added_p99_ms'])})"
                   f"  gw CPU {_f(g['gw_cpu_ms_per_req'], '.3f')} ms/req", flush=True)
+            if peers:
+                r = reference_c32(pool.urls, gw.url, gw.pid, chat_body(16, False), seg_s, rounds, peers)
+                result["reference_c32"] = r
+                for name, t in r["targets"].items():
+                    print(f"  reference c=32 {name:<14s} p50 {_f(t['p50_ms'])} ms (+{_f(t['added_p50_ms'])})  p99 "
+                          f"{_f(t['p99_ms'])} ms (+{_f(t['added_p99_ms'])})  rps {t['rps']:.0f} (×{_f(t['rps_ratio'])})"
+                          f"  CPU {_f(t['cpu_ms_per_req'], '.3f')} ms/req", flush=True)
+                for name, why in r["notes"].items():
+                    print(f"  reference {name}: skipped ({why})", flush=True)
             if not skip_streams:
                 r = interleaved(pool.urls, gw.url, gw.pid, chat_body(64, True), 64, seg_s, rounds, "stream burst")
                 result["stream_burst_c64"] = r
@@ -558,6 +612,17 @@ def checks(r: dict[str, Any], open_streams: int) -> list[dict[str, Any]]:
                 "ok": a50 is not None and a50 <= 1.0})
     out.append({"name": "added latency p99 ≤ 3 ms at c=32 (non-stream)", "value": f"{_f(a99)} ms",
                 "ok": a99 is not None and a99 <= 3.0})
+    ref = (r.get("reference_c32") or {}).get("targets") or {}
+    for name in ("sglang-router", "floor"):
+        t = ref.get(name)
+        if t:
+            out.append({"name": f"added latency at c=32 through the {name} proxy, same run (informational)",
+                        "value": f"p50 +{_f(t['added_p50_ms'])} ms, p99 +{_f(t['added_p99_ms'])} ms, "
+                                 f"{_f(t['cpu_ms_per_req'], '.3f')} ms CPU/req", "ok": True})
+    mine, rust = (ref.get("m3gate") or {}).get("cpu_ms_per_req"), (ref.get("sglang-router") or {}).get("cpu_ms_per_req")
+    if mine and rust:
+        out.append({"name": "m3gate CPU per request ≤ 2× the Rust SGLang router's (reference §6 target)",
+                    "value": f"{mine / rust:.2f}× ({mine:.3f} vs {rust:.3f} ms)", "ok": mine <= 2 * rust})
     paced = r.get("nonstream_paced")
     if paced:
         out.append({"name": f"added latency at {paced['rate']:.0f} req/s open loop, ≤ 32 in flight (informational)",
@@ -624,6 +689,16 @@ def summary_text(r: dict[str, Any]) -> str:
         lines.append(f"| {o['streams']} open streams | | {o['opened']} open in {o['seconds_to_open']:.1f} s | | RSS "
                      f"{o['gw_rss_before_mib']:.0f} → {o['gw_rss_peak_mib']:.0f} MiB ({o['gw_rss_per_stream_kib']:.1f} "
                      f"KiB/stream), {o['gw_cpu_share']:.0%} CPU |")
+    ref = r.get("reference_c32")
+    if ref:
+        lines += ["", "Reference proxies, non-stream c=32, pinned to the same core, interleaved in the same run:", "",
+                  "| proxy | req/s (× direct) | p50 / p99 ms | added p50 / p99 ms | proxy CPU ms/req |",
+                  "|---|---|---|---|---|"]
+        for name, t in ref["targets"].items():
+            lines.append(f"| {name} | {t['rps']:.0f} (×{_f(t['rps_ratio'])}) | {_f(t['p50_ms'])} / {_f(t['p99_ms'])} | "
+                         f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | {_f(t['cpu_ms_per_req'], '.3f')} |")
+        for name, why in ref["notes"].items():
+            lines.append(f"\n{name}: skipped ({why})")
     c32 = (r.get("nonstream_c32") or {}).get("gateway") or {}
     if c32:
         lines.append(f"\nDuring non-stream c=32 the gateway used {c32['gw_cpu_share']:.0%} of its core and waited "
@@ -664,12 +739,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile the gateway with cProfile (default: only when a target is missed)")
     parser.add_argument("--skip-streams", action="store_true", help="non-streaming tests only")
     parser.add_argument("--open-streams", type=int, default=5000)
+    parser.add_argument("--peers", default="floor,sglang-router",
+                        help="reference proxies measured beside m3gate at c=32 (comma-separated: floor, sglang-router; "
+                             "'' for none)")
     parser.add_argument("--out", help="results folder")
     args = parser.parse_args(argv)
     folder = Path(args.out) if args.out else run_dir("overhead")
     folder.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (1 if args.quick else 4)
-    result = run(args.quick, rounds, args.profile, args.skip_streams, folder, args.open_streams)
+    peers = [p for p in args.peers.split(",") if p]
+    result = run(args.quick, rounds, args.profile, args.skip_streams, folder, args.open_streams, peers)
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))

@@ -1,0 +1,107 @@
+"""Reference proxies run beside m3gate in the overhead bench, so its figures read against what is possible here.
+
+- `floor`: loadtests.floor_proxy, the cheapest relay the design packages allow (uvicorn raw ASGI + aiohttp), i.e.
+  the part of m3gate's cost no Python gateway on these packages avoids;
+- `sglang-router`: SGLang's Rust router (`sglang-router` from PyPI, round_robin), the cheapest production router
+  measured on this kind of machine (../shared/reference/performance.md §6). Installed once into its own virtual
+  environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
+  (no registry access).
+
+Each runs as its own process on a free loopback port, pinned like the gateway; stop() ends it by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SGLANG_ROUTER = "sglang-router==0.3.2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("M3GATE_CACHE") or Path.home() / ".cache" / "m3gate")
+
+
+def sglang_python(install: bool = True, timeout_s: float = 240.0) -> tuple[Path | None, str]:
+    """The peer venv's python with sglang-router importable, installing it on first use; (None, why) if not."""
+    venv = cache_dir() / "peer-venv"
+    python = venv / "bin" / "python"
+
+    def importable() -> bool:
+        return python.exists() and subprocess.run([str(python), "-c", "import sglang_router"],
+                                                  capture_output=True, timeout=60).returncode == 0
+
+    if importable():
+        return python, "cached"
+    if not install:
+        return None, "not installed"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", SGLANG_ROUTER], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return None, f"install failed: {exc}"
+    if done.returncode != 0 or not importable():
+        return None, f"install failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}"
+    return python, "installed"
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    url: str
+    pid: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> PeerProcess:
+    """Start peer `name` ("floor" or "sglang-router") in front of `upstreams`; raises RuntimeError if it can't."""
+    from gateway.launcher import free_port
+
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name}-"))
+    log = folder / "peer.log"
+    if name == "floor":
+        cmd = [sys.executable, "-m", "loadtests.floor_proxy", str(port), *upstreams]
+    elif name == "sglang-router":
+        python, why = sglang_python()
+        if python is None:
+            raise RuntimeError(f"sglang-router unavailable ({why})")
+        cmd = [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--policy", "round_robin", "--log-level", "warn", "--log-dir", str(folder), "--worker-urls",
+               *upstreams]
+    else:
+        raise ValueError(f"unknown peer {name!r}")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    peer = PeerProcess(name, f"http://127.0.0.1:{port}", proc.pid, proc, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited: {log.read_text(errors='replace')[-1500:]}")
+        try:
+            with urllib.request.urlopen(peer.url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return peer
+        except OSError:
+            pass
+        time.sleep(0.1)
+    peer.stop()
+    raise RuntimeError(f"{name} did not become healthy in {timeout_s:.0f} s: {log.read_text(errors='replace')[-1500:]}")

@@ -1,0 +1,39 @@
+"""The overhead bench's measuring stick (loadtests.floor_proxy) must really relay, or its figures mean nothing:
+a non-streaming and a streamed chat through it must come back exactly as the simulated replica answers them."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from loadtests.peers import start_peer
+from pools.sim.launcher import running_sims
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.read(), resp.headers.get("content-type", "")
+
+
+def test_floor_proxy_relays_plain_and_streamed_answers() -> None:
+    body = {"model": "MiniMaxAI/MiniMax-M3", "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 5, "ignore_eos": True, "seed": 1, "temperature": 0}
+    with running_sims([{"max_model_len": 4096, "extra_args": ["--instant"]}]) as sims:
+        peer = start_peer("floor", [sims[0].url])
+        try:
+            status, raw, ctype = _post(peer.url + "/v1/chat/completions", body)
+            assert status == 200 and ctype.startswith("application/json")
+            answer = json.loads(raw)
+            assert answer["usage"]["completion_tokens"] == 5
+            assert answer["choices"][0]["message"]["content"]
+
+            status, raw, ctype = _post(peer.url + "/v1/chat/completions", {**body, "stream": True})
+            assert status == 200 and ctype.startswith("text/event-stream")
+            events = [e for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            tokens = [json.loads(e[6:]) for e in events[:-1]]
+            assert sum(1 for t in tokens if t["choices"] and t["choices"][0]["delta"].get("content")) == 5
+        finally:
+            peer.stop()
+        assert peer.proc.poll() is not None
