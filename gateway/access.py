@@ -100,7 +100,9 @@ def _masked(key: str) -> str:
 
 def check_header_size(raw_headers: Iterable[tuple[bytes, bytes]], limit: int) -> None:
     """431 when the request's headers together exceed `limit` bytes."""
-    size = sum(len(k) + len(v) + 4 for k, v in raw_headers)  # ": " and CRLF, as on the wire
+    size = 0
+    for k, v in raw_headers:  # a loop, not sum() over a generator: this runs on every request
+        size += len(k) + len(v) + 4  # ": " and CRLF, as on the wire
     if size > limit:
         raise RequestRejected(
             f"The request headers total {size:,} bytes; this gateway accepts at most {limit:,}. Send fewer or "

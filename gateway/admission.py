@@ -117,7 +117,8 @@ class AdmissionControl:
                              status=503, type="server_error", code="traffic_class_removed", retry_after_s=1)
         home = pools[0]
         gate = self._gate(home)
-        self._pump(home)  # whoever is already waiting goes first
+        if len(gate.queue):
+            self._pump(home)  # whoever is already waiting goes first
         if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
             return home, self._grant(gate, home, cls)
         if cfg.spill_upward:
@@ -143,7 +144,8 @@ class AdmissionControl:
         if gate is None:
             return
         gate.free_slot(cls, self.clock())
-        self._pump(pool)
+        if len(gate.queue):
+            self._pump(pool)
 
     # internals -----------------------------------------------------------------------------------------------
     def _gate(self, pool: str) -> PoolGate:
@@ -260,6 +262,7 @@ class TrafficControl:
                                 timeout_s=access.redis_timeout_s, retry_s=access.redis_retry_s)
         self.admission = AdmissionControl(config.traffic, clock, saturated)
         self._ttft: dict[str, deque[float]] = {}
+        self._by_size = config.pools_by_size()  # sorted once per config, not per request
 
     def apply_config(self, config: GatewayConfig) -> list[str]:
         """Keys, classes and limits change at once; returns notes about what needs a restart."""
@@ -268,6 +271,7 @@ class TrafficControl:
         if (old.rate_limit_redis or self.config.state) != (config.access.rate_limit_redis or config.state):
             notes.append("the rate-limit Redis URL changes on restart")
         self.config = config
+        self._by_size = config.pools_by_size()
         self.keys = KeyStore(config.access.all_keys())
         self.admission.apply_config(config.traffic)
         return notes
@@ -298,12 +302,15 @@ class TrafficControl:
         """Key's pools (403) → class → rate limits (429) → a slot (queue, spill, 429, 503); sets the record's
         traffic_class and t_admitted, and keeps the slot on the record until `finished`."""
         traffic = self.config.traffic
-        choice = restrict_to_key(choice, client.key, forced=choice.reason == "forced")
-        cls = resolve_class(traffic, self.config.pools_by_size(), _natural_pool(choice),
-                            request.headers.get(CLASS_HEADER), client.key)
+        key = client.key
+        if key is not None:
+            choice = restrict_to_key(choice, key, forced=choice.reason == "forced")
+        cls = resolve_class(traffic, self._by_size, _natural_pool(choice),
+                            _header(request.scope["headers"], _CLASS_HEADER_RAW), key)
         record.traffic_class = cls
         priority = request_priority(traffic, cls, profile.thinking_mode)
-        await self._rate_limit(client, profile, record)
+        if key is not None and (key.requests_per_minute or key.tokens_per_minute):
+            await self._rate_limit(client, profile, record)
         names = [p.name for p in choice.candidates]
         try:
             pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id)
@@ -393,6 +400,18 @@ class TrafficControl:
         return {"open": self.keys.open, "keys": len(self.config.access.all_keys()),
                 "rate_limits": "redis" if self.rate.shared else "memory",
                 "classes": ttft, "pools": pools, "counters": dict(self.admission.counters)}
+
+
+_CLASS_HEADER_RAW = CLASS_HEADER.encode("latin-1")
+
+
+def _header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of header `name` (lower case), as `request.headers.get` reads it (ASGI servers lower-case
+    header names) without its KeyError when the header is absent, which is the usual case."""
+    for key, value in raw:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _natural_pool(choice: PoolChoice) -> str:

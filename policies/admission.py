@@ -156,8 +156,13 @@ def replica_saturated(snapshot: ReplicaSnapshot, cfg: SaturationConfig) -> bool:
 def pool_saturated(snapshots: Sequence[ReplicaSnapshot], cfg: SaturationConfig) -> bool:
     """Every available replica is saturated. A pool with none available is not 'saturated': pool choice already
     moved past it, or forwarding will say no replica is healthy."""
-    available = [s for s in snapshots if s.healthy and not s.draining]
-    return bool(available) and all(replica_saturated(s, cfg) for s in available)
+    any_available = False
+    for s in snapshots:  # a loop, not a list and all(): this runs on every admission
+        if s.healthy and not s.draining:
+            if not replica_saturated(s, cfg):
+                return False
+            any_available = True
+    return any_available
 
 
 @dataclass
@@ -172,15 +177,19 @@ class PoolGate:
         """A newcomer of `cls` may go now: the pool is not saturated, its class has a free slot, and no request of
         its class is already waiting (no overtaking within a class; other classes' waiters are blocked by their
         own limits and do not hold this one back)."""
-        return not saturated and self.in_flight[cls] < limit and not self.queue.queued(cls)
+        return not saturated and self.in_flight.get(cls, 0) < limit and not self.queue.queued(cls)
 
     def take_slot(self, cls: str) -> None:
-        self.in_flight[cls] += 1
+        in_flight = self.in_flight
+        in_flight[cls] = in_flight.get(cls, 0) + 1  # not `+= 1`: Counter's __missing__ is a Python call
 
     def free_slot(self, cls: str, now: float) -> None:
-        self.in_flight[cls] -= 1
-        if self.in_flight[cls] <= 0:
-            del self.in_flight[cls]
+        in_flight = self.in_flight
+        left = in_flight.get(cls, 0) - 1
+        if left > 0:
+            in_flight[cls] = left
+        else:
+            in_flight.pop(cls, None)
         self.drain.record(now)
 
     def admit_waiting(self, limits: Mapping[str, int], saturated: bool) -> list[Waiter]:

@@ -45,6 +45,7 @@ _BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
     "messages": ("max_tokens",),
 }
 
+_TEXT_ONLY: frozenset[str] = frozenset({"text"})
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 _AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
@@ -52,9 +53,12 @@ _AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
 Loc = tuple[str | int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestProfile:
-    """A request as pool choice sees it. Token counts are in the model's tokens (after calibration)."""
+    """A request as pool choice sees it. Token counts are in the model's tokens (after calibration).
+
+    Read-only by convention (change it with `dataclasses.replace`); not frozen because a frozen dataclass is ~4x
+    slower to build, and one is built per request."""
 
     api: Api
     model: str | None  # None when the body names no model (vLLM then uses its only one)
@@ -112,26 +116,25 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
     else:
         count = counter.measure_pieces(prompt.texts)
         text_tokens = math.ceil(count.tokens * cfg.calibration_factor) + GENERATION_PROMPT_TOKENS
-    exact = count.exact
-    prompt_tokens = text_tokens + prompt.overhead + prompt.media_tokens
-    modalities = {"text"}
-    if prompt.n_images:
-        modalities.add("image")
-    if prompt.n_videos:
-        modalities.add("video")
+    n_images, n_videos = prompt.n_images, prompt.n_videos
+    if n_images or n_videos:
+        modalities = frozenset(("text", *(("image",) if n_images else ()), *(("video",) if n_videos else ())))
+    else:
+        modalities = _TEXT_ONLY
+    # By position, in RequestProfile's field order (one per request; keywords cost ~0.3 µs more)
     return RequestProfile(
-        api=api,  # type: ignore[arg-type]  # checked against APIS above
-        model=model,
-        prompt_tokens=prompt_tokens,
-        output_budget=budget,
-        budget_explicit=budget_field is not None,
-        modalities=frozenset(modalities),
-        thinking_mode=mode,
-        stream=stream,
-        n_images=prompt.n_images,
-        n_videos=prompt.n_videos,
-        estimate_exact=exact,
-        budget_field=budget_field,
+        api,  # type: ignore[arg-type]  # checked against APIS above
+        model,
+        text_tokens + prompt.overhead + prompt.media_tokens,  # prompt_tokens
+        budget,  # output_budget
+        budget_field is not None,  # budget_explicit
+        modalities,
+        mode,  # thinking_mode
+        stream,
+        n_images,
+        n_videos,
+        count.exact,  # estimate_exact
+        budget_field,
     )
 
 

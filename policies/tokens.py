@@ -6,8 +6,8 @@ gateway asks a replica's `/tokenize` near a pool boundary). So texts longer than
 estimated: evenly spaced windows are tokenized and their tokens-per-byte ratio is scaled to the full length
 (measured: within ~2% of the exact count on code, prose, JSON, CJK and mixes, for ~3-6 ms instead of ~400 ms).
 
-Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is a
-locked LRU cache of the counts of repeated pieces.
+Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
+caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
 """
 
 from __future__ import annotations
@@ -28,17 +28,23 @@ from pools.config import ClassificationConfig
 _DOWNLOADED_ENCODINGS = frozenset({"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base",
                                    "o200k_harmony"})
 
-# Repeated pieces (system prompts, tool schemas, earlier turns of a growing conversation) are counted once. Shorter
-# pieces are cheaper to count than to look up; longer ones are rarely repeated whole. The cache holds at most
-# CACHE_TOTAL_CHARS characters of keys (8-32 MB), least recently used first out.
+# Repeated pieces (system prompts, tool schemas, earlier turns of a growing conversation) are counted once. Longer
+# pieces are rarely repeated whole. The cache holds at most CACHE_TOTAL_CHARS characters of keys (8-32 MB), least
+# recently used first out.
 CACHE_MIN_CHARS = 512
 CACHE_MAX_CHARS = 32_768
 CACHE_TOTAL_CHARS = 8_000_000
+# Shorter pieces (most messages of a chat, short system prompts, tool names) go to a second cache without a lock or
+# LRU bookkeeping: a plain lookup costs ~0.1 µs where tiktoken takes ~0.06 µs per character (~4 µs for a 12-word
+# message), so a conversation's earlier turns, re-sent with every new one, are not counted again. First in, first
+# out, at most SHORT_CACHE_ENTRIES pieces (under 8.4M characters, 8-34 MB).
+SHORT_CACHE_ENTRIES = 16_384
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenCount:
-    """A token count and whether it is exact (False when estimated from samples)."""
+    """A token count and whether it is exact (False when estimated from samples). Read-only by convention; not
+    frozen because a frozen dataclass is slower to build, and one is built per request."""
 
     tokens: int
     exact: bool
@@ -70,6 +76,7 @@ class TokenCounter:
         self.sample_windows = sample_windows
         self.window_chars = window_chars
         self._cache = _CountCache(CACHE_TOTAL_CHARS)
+        self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
     @property
     def encoding_name(self) -> str:
@@ -94,7 +101,13 @@ class TokenCounter:
         Pieces counted before (a conversation's history, turn after turn) are taken from the cache, and only the rest
         is counted or, if still long, sampled: a growing conversation keeps being counted exactly, and cheaply.
         """
-        total_chars = sum(map(len, pieces))
+        if len(pieces) == 1:  # the usual short chat: one user message
+            piece = pieces[0]
+            total_chars = len(piece)
+            if total_chars < CACHE_MIN_CHARS and total_chars < self.full_count_below_chars:
+                return TokenCount(self._count_short(piece), True)
+        else:
+            total_chars = sum(map(len, pieces))
         if total_chars < self.full_count_below_chars:
             return TokenCount(sum(map(self._count_piece, pieces)), True)
         known = 0
@@ -112,12 +125,30 @@ class TokenCounter:
         return TokenCount(known + self._estimate(unknown, unknown_chars), False)
 
     def _count_piece(self, piece: str) -> int:
-        if not CACHE_MIN_CHARS <= len(piece) <= CACHE_MAX_CHARS:
+        n = len(piece)
+        if n < CACHE_MIN_CHARS:
+            return self._count_short(piece)
+        if n > CACHE_MAX_CHARS:
             return len(self._encode(piece))
         count = self._cache.get(piece)
         if count is None:
             count = len(self._encode(piece))
             self._cache.put(piece, count)
+        return count
+
+    def _count_short(self, piece: str) -> int:
+        """A piece under CACHE_MIN_CHARS, from the short-piece cache. Thread-safe without a lock: each OrderedDict
+        operation is atomic under the GIL, and a race at worst counts a piece twice or evicts one too many."""
+        short = self._short
+        count = short.get(piece)
+        if count is None:
+            count = len(self._encode(piece))
+            short[piece] = count
+            if len(short) > SHORT_CACHE_ENTRIES:
+                try:
+                    short.popitem(last=False)
+                except KeyError:  # another thread emptied it meanwhile
+                    pass
         return count
 
     def _estimate(self, pieces: Sequence[str], total_chars: int) -> int:

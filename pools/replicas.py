@@ -88,21 +88,23 @@ class Replica:
     def snapshot(self, now: float, remote_in_flight: int = 0) -> ReplicaSnapshot:
         """What policies see. `remote_in_flight` is other gateways' load on it (shared state)."""
         s = self.scraped
+        scraped_at = self.scraped_at
+        # By position, in ReplicaSnapshot's field order (keywords cost ~0.4 µs more per snapshot, several per request)
         return ReplicaSnapshot(
-            url=self.url,
-            pool=self.pool,
-            healthy=self.healthy and now >= self.ejected_until,
-            draining=self.draining,
-            in_flight=self.in_flight + remote_in_flight,
-            in_flight_tokens=self.in_flight_tokens,
-            waiting=s.waiting if s else None,
-            running=s.running if s else None,
-            kv_usage=s.kv_usage if s else None,
-            metrics_age_s=(now - self.scraped_at) if self.scraped_at is not None else None,
-            prefill_s_per_token=self.prefill_s_per_token,
-            tpot_s=self.tpot_s,
-            kv_blocks=self.kv_blocks,
-            block_size=self.block_size,
+            self.url,  # url
+            self.pool,  # pool
+            self.healthy and now >= self.ejected_until,  # healthy
+            self.draining,  # draining
+            self.in_flight + remote_in_flight,  # in_flight
+            self.in_flight_tokens,  # in_flight_tokens
+            None if s is None else s.waiting,  # waiting
+            None if s is None else s.running,  # running
+            None if s is None else s.kv_usage,  # kv_usage
+            None if scraped_at is None else now - scraped_at,  # metrics_age_s
+            self.prefill_s_per_token,  # prefill_s_per_token
+            self.tpot_s,  # tpot_s
+            self.kv_blocks,  # kv_blocks
+            self.block_size,  # block_size
         )
 
     def guard(self, tokens: int) -> LoadGuard:
@@ -182,7 +184,12 @@ class PoolRuntime:
     def snapshots(self, now: float, shared: SharedState | None = None) -> list[ReplicaSnapshot]:
         if shared is None:
             return [r.snapshot(now) for r in self.replicas.values()]
-        return [r.snapshot(now, shared.remote_in_flight(r.url)) for r in self.replicas.values()]
+        remote = shared.remote_in_flight
+        return [r.snapshot(now, remote(r.url)) for r in self.replicas.values()]
 
     def available(self, now: float) -> bool:
-        return any(r.is_available(now) for r in self.replicas.values())
+        """Some replica is available (`Replica.is_available`, inlined: this runs per pool on every request)."""
+        for r in self.replicas.values():
+            if r.healthy and not r.draining and now >= r.ejected_until:
+                return True
+        return False

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pools.sim.behaviour import plan_output
+from pools.sim.behaviour import check_tools, plan_output
 from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.faults import FaultUpdate, Faults
 from pools.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
@@ -409,6 +409,7 @@ class SimApp:
         await self._pre_generate()
         precheck_chat(body)
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        check_tools(req.tools)  # vLLM's model validation refuses such a tool, whatever tool_choice, before the model
         model = self._check_model(req.model)
         use_mct = req.max_completion_tokens is not None
         requested = req.max_completion_tokens if use_mct else req.max_tokens

@@ -124,7 +124,9 @@ def _tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
 def check_tools(tools: list[dict[str, Any]] | None) -> None:
     """Refuse tools whose `function` is there but not an object, word for word as vLLM 0.32 does over HTTP (its
     ChatCompletionToolsParam.function is a pydantic model): 400 "Bad Request" listing every such tool. Without this,
-    `_tool_name` / `_tool_schema` crashed on it (a plain 500) whenever the plan called a tool."""
+    `_tool_name` / `_tool_schema` crashed on it (a plain 500) whenever the plan called a tool. The chat route calls
+    it right after validating the body (vLLM validates the tools whatever `tool_choice` says, before it looks up the
+    model); `plan_output` calls it again for its other callers."""
     errors = [{"type": "model_attributes_type", "loc": ("body", "tools", i, "function"),
                "msg": "Input should be a valid dictionary or object to extract fields from", "input": tool["function"]}
               for i, tool in enumerate(tools or ()) if "function" in tool and not isinstance(tool["function"], dict)]

@@ -308,10 +308,25 @@ def _check_tool_usage(data: dict[str, Any]) -> None:
         if not isinstance(name, str) or not name:
             raise vllm_validation_error(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
                                         "tool_choice.function.name")
-        tools = data.get("tools") or []
-        if not any(isinstance(t, dict) and (t.get("function") or {}).get("name") == name for t in tools):
+        if not _names_a_tool(data["tools"], name):
             raise vllm_validation_error("The tool specified in `tool_choice` does not match any of the specified "
                                         "`tools`", "tool_choice")
+
+
+def _names_a_tool(tools: Any, name: str) -> bool:
+    """vLLM's own loop (`tool["function"]["name"] == name` over the tools until one matches), run before pydantic
+    has checked the tools: a malformed tool before the match fails as it fails there. Its handler answers the raw
+    TypeError (a tool or `function` that is a string, list, number or null; `tools` not a list) with a 400
+    BadRequestError carrying the exception's text, and anything else (KeyError: no `function` or `name`) with a 500."""
+    try:
+        for tool in tools:
+            if tool["function"]["name"] == name:
+                return True
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad_request(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - vLLM's catch-all handler
+        raise ApiError(500, str(exc), "InternalServerError") from None
+    return False
 
 
 def precheck_chat(data: Any) -> None:
