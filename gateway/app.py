@@ -37,6 +37,7 @@ from policies.admission import pool_saturated
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
+from policies.prefix import prefix_blocks
 from policies.replica_choice import NoReplicaAvailable, ReplicaPolicy, RoutingRequest, build_policy
 from policies.tokens import TokenCounter
 from pools.config import GatewayConfig
@@ -245,8 +246,6 @@ class Gateway:
         """Chained prefix-block hashes, only computed when the routing policy reads them."""
         if self.config.routing.policy != "prefix_affinity":
             return ()
-        from policies.prefix import prefix_blocks
-
         return prefix_blocks(body, api, self.config.model)
 
     # precise prefix routing (pools/kv_events.py) ---------------------------------------------------------
