@@ -113,6 +113,8 @@ class Gateway:
             self.counter = TokenCounter(config.classification)
         self._apply_config(config)
         notes.extend(self.traffic.apply_config(config))
+        if self.telemetry.apply_config(config):  # metrics turned on by this reload: a fresh registry
+            self._register_precise_metrics()
         return notes
 
     def telemetry_reload(self, ok: bool) -> None:

@@ -236,9 +236,16 @@ class StreamRelay:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             first = not self.first_chunk
+            itl = record.extra.get("itl")  # telemetry's inter-token latency observer for this stream, if any
+            last = record.t_first_byte
             async for chunk in self.upstream.content.iter_any():
                 if first:  # a replica sends a stream's headers at once: its first bytes are the first token's event
-                    record.t_first_byte, first = time.monotonic(), False
+                    record.t_first_byte = last = time.monotonic()
+                    first = False
+                elif itl is not None:  # the gap since the previous chunk (a chunk is usually one token's event)
+                    now = time.monotonic()
+                    itl(now - last)
+                    last = now
                 out = filt.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})

@@ -6,7 +6,9 @@ The pools are chosen so that each signal the dashboards and alerts watch actuall
 `interactive` has a replica that fails 30% of requests (retries, ejections) and one that answers after 3 s (TTFT over
 target); `long` has a KV cache that two concurrent long prompts fill past 90% (KV alert, waiting requests); `flaky`
 fails half its requests with no second replica (5xx ratio); `dead` has a replica that is not running (no healthy
-replica, scrape target down). The shared-state Redis URL points at a closed port (Redis down), and Prometheus also
+replica, scrape target down); `precise` routes from its replicas' KV events (`precise:` on, the tiny test tokenizer)
+where one replica publishes them and the other does not (exact scorings, index freshness, event counters, and
+fallbacks to the estimate). The shared-state Redis URL points at a closed port (Redis down), and Prometheus also
 scrapes a gateway address where nothing listens (gateway down).
 
 Used by tests/integration/test_prometheus.py and loadtests/render_dashboards.py.
@@ -53,6 +55,18 @@ POOLS: dict[str, tuple[int, list[list[str]]]] = {
     "flaky": (16384, [["--speed", "5", "--fault-error-rate", "0.5"]]),
 }
 DEAD_POOL = ("dead", 32768)
+# The precise pool: the largest, so nothing spills into it; only the `_precise` worker's requests (forced) go there.
+# Its first replica publishes KV events as vLLM does, the second does not (its scorings fall back: `no_events`).
+PRECISE_POOL = ("precise", 65536)
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                        "replay_endpoint": "tcp://*:0", "topic": "kv"})
+
+
+def precise_sims(tokenizer_dir: Path) -> list[list[str]]:
+    """`start_sim` extra_args of the precise pool's two replicas (both tokenize like the gateway does)."""
+    common = ["--speed", "5", "--tokenizer", str(tokenizer_dir), "--prefix-caching-hash-algo", "sha256_cbor",
+              "--mean-output-tokens", "0"]
+    return [[*common, "--kv-events-config", KV_EVENTS], common]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,15 +246,23 @@ def closed_port() -> int:
 @contextmanager
 def observability_stack(workdir: Path) -> Iterator[Stack]:
     """Sims, gateway and Prometheus, all stopped by PID on exit."""
+    from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
+
+    tokenizer_dir = ensure_tiny_tokenizer()
+    precise_name, precise_len = PRECISE_POOL
     specs = [(pool, max_len, args) for pool, (max_len, replicas) in POOLS.items() for args in replicas]
+    specs += [(precise_name, precise_len, args) for args in precise_sims(tokenizer_dir)]
     with ExitStack() as stack, running_sims([{"max_model_len": m, "extra_args": a} for _, m, a in specs]) as procs:
         sims: dict[str, list[SimProcess]] = {}
         for (pool, _, _), proc in zip(specs, procs, strict=True):
             sims.setdefault(pool, []).append(proc)
         dead = f"http://127.0.0.1:{closed_port()}"
-        pools = [{"name": name, "max_model_len": max_len, "endpoints": [s.url for s in sims[name]]}
-                 for name, (max_len, _) in POOLS.items()]
+        pools: list[dict[str, Any]] = [
+            {"name": name, "max_model_len": max_len, "endpoints": [s.url for s in sims[name]]}
+            for name, (max_len, _) in POOLS.items()]
         pools.append({"name": DEAD_POOL[0], "max_model_len": DEAD_POOL[1], "endpoints": [dead]})
+        pools.append({"name": precise_name, "max_model_len": precise_len,
+                      "endpoints": [s.url for s in sims[precise_name]], "precise": {"model_dir": str(tokenizer_dir)}})
         (workdir / "gateway").mkdir(parents=True, exist_ok=True)
         gateway = start_gateway({
             "model": MODEL,
@@ -306,6 +328,15 @@ async def _flaky(client: httpx.AsyncClient, i: int) -> str:
     return f"flaky {resp.status_code}"
 
 
+async def _precise(client: httpx.AsyncClient, i: int) -> str:
+    body = {"model": MODEL, "max_tokens": 8, "stream": i % 2 == 0,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPTS[i % 3]},
+                         {"role": "user", "content": f"precise {i}: {_words(random.Random(-i), 60)}"}]}
+    resp = await client.post("/v1/chat/completions", json=body, headers={"x-m3gate-pool": PRECISE_POOL[0]})
+    await asyncio.sleep(0.2)  # a few requests a second: the other pools' signals must not starve
+    return f"precise {resp.status_code}"
+
+
 async def _invalid(client: httpx.AsyncClient, i: int) -> str:
     if i % 2:
         resp = await client.post("/v1/chat/completions", content=b"{not json",
@@ -326,7 +357,7 @@ async def _leaver(client: httpx.AsyncClient, i: int) -> str:
     return "left"
 
 
-WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver]
+WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver, _precise]
 
 
 async def drive(url: str, duration_s: float) -> Counter[str]:

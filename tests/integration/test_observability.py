@@ -204,7 +204,8 @@ async def test_streamed_request_trace_follows_the_stream_and_reaches_the_replica
 ) -> None:
     url, exporter = traced
     first_ns, last_ns, usage = await stream_chat(url, {"traceparent": TRACEPARENT, "tracestate": "k=v"})
-    spans = await eventually_spans(exporter, int(TRACE_ID, 16), 6)
+    spans = await eventually_spans(exporter, int(TRACE_ID, 16), 4)
+    assert set(spans) == {f"chat {MODEL}", "POST /v1/chat/completions", "m3gate.prefill", "m3gate.decode"}
     server = spans[f"chat {MODEL}"]
     attempt = next(s for s in spans.values() if s.kind is SpanKind.CLIENT)
     prefill, decode = spans["m3gate.prefill"], spans["m3gate.decode"]
@@ -224,10 +225,10 @@ async def test_streamed_request_trace_follows_the_stream_and_reaches_the_replica
     assert last_ns - 40 * ms <= decode.end_time <= last_ns + 2 * ms
     assert prefill.end_time - prefill.start_time > 60 * ms  # ~20 prompt tokens at 5 ms
     assert decode.end_time - decode.start_time > 100 * ms  # 15 decode steps of ~12 ms
-    send = spans["m3gate.upstream.send"]  # the replica answered with headers before its first token
-    assert send.start_time == attempt.start_time and send.end_time < prefill.end_time - 40 * ms
-    assert server.start_time == spans["m3gate.classify"].start_time < spans["m3gate.classify"].end_time
-    assert spans["m3gate.classify"].end_time <= attempt.start_time
+    # the replica answered with headers before its first token (connect + send + accepted)
+    assert 0 < attempt.attributes["m3gate.upstream.headers_ms"] < (prefill.end_time - prefill.start_time) / ms - 40
+    classify_ms = server.attributes["m3gate.classify_ms"]  # body read, classification, pool choice
+    assert 0 < classify_ms <= (attempt.start_time - server.start_time) / ms
 
     # attributes match what the client was told
     a = server.attributes
@@ -250,7 +251,7 @@ async def test_retried_request_shows_both_attempts(
     trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
     budget.remaining = 1
     await stream_chat(url, {"traceparent": f"00-{trace_id}-{CALLER_SPAN}-01"}, max_tokens=4)
-    await eventually_spans(exporter, int(trace_id, 16), 6)
+    await eventually_spans(exporter, int(trace_id, 16), 4)
     spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == int(trace_id, 16)]
     attempts = sorted((s for s in spans if s.kind is SpanKind.CLIENT), key=lambda s: s.start_time)
     server = next(s for s in spans if s.kind is SpanKind.SERVER)
@@ -324,6 +325,10 @@ def test_metrics_move_with_the_right_labels(metrics_gateway: GatewayProcess, sim
     assert moved("m3gate_time_per_output_token_seconds_count", pool="interactive", **{"class": "interactive"},
                  thinking_mode="enabled") == 2
     assert moved("m3gate_decode_seconds_count", pool="interactive", **{"class": "interactive"}) == 2
+    itl = {"pool": "interactive", "class": "interactive", "thinking_mode": "enabled"}  # one gap per relayed chunk
+    assert moved("m3gate_inter_token_latency_seconds_count", **itl) >= 2 * 4
+    assert 0 < moved("m3gate_inter_token_latency_seconds_sum", **itl) < moved("m3gate_decode_seconds_sum", **{
+        "pool": "interactive", "class": "interactive"}) + 0.01
     assert moved("m3gate_output_tokens_total", pool="interactive", **{"class": "interactive"}) == 2 * 8 + 3
     assert moved("m3gate_request_duration_seconds_count", api="completions", pool="interactive",
                  **{"class": "interactive"}, thinking_mode="adaptive") == 1
