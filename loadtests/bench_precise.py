@@ -1,27 +1,41 @@
 """Precise prefix routing (the replicas' own KV events) against approximate prefix routing and round robin, under KV
-pressure, side by side in one run.
+pressure, side by side in one run, in two scenarios.
 
-    python -m loadtests.bench_precise [--quick] [--rounds N] [--kv-blocks K] [--tokenize-cost-only]
+    python -m loadtests.bench_precise [--quick] [--rounds N] [--scenarios NAME ...] [--kv-blocks K]
+                                      [--tokenize-cost-only | --no-tokenize-cost]
 
 Simulated replicas publish KV events exactly as vLLM does (`m3gate sim --kv-events-config ... --prefix-caching-hash-algo
 sha256_cbor --tokenizer DIR`, tcp://*:0 endpoints found through GET /kv_event_sources) and tokenize with the tiny
 test model's tokenizer; the gateway, in the `precise` mode, tokenizes with the same folder and scores replicas from
-their events. Their KV caches are far smaller than the trace's working set (32 groups of ~4,000-token system
-prompts against 4 × 20K tokens of cache): what a replica still holds then depends on evictions the gateway never
-sees (running requests' blocks, vLLM's own LRU order), which the approximate index (pools/prefix_index.py: an LRU of
-what was *sent*, bounded by the KV size) can only guess; a wrong guess both misses the cache and, believing in a
-hit, piles load where the TTFT model says it is cheap. Answers are short and the request rate is near the pool's
-prefill capacity, so misses turn into queueing: that is where TTFT shows the difference (at a rate well below
-capacity, e.g. --rate 8.5, the hit rate still differs but TTFT hardly does).
+their events. The trace: 32 groups of 8 prompts sharing a ~4,000-token system prompt (llm-d's shared-prefix shape),
+shuffled, 11 requests/s (near the pool's capacity, so misses turn into queueing), 64-token answers.
 
-Modes, each through a freshly started gateway, with the replicas' caches and counters reset before every run:
+Scenarios (each prints its own table; `--scenarios` picks, `moderate` is a control run only on request):
+
+- `pressure`: one gateway, 4 replicas × 160 KV blocks (20K tokens; one request needs ~35 blocks, the prefixes alone
+  ~1,000). The gateway sees every request, so its approximate index (pools/prefix_index.py: an LRU of what it *sent*,
+  bounded by each replica's KV) is a close model of vLLM's own LRU: it guesses wrong mostly where blocks were evicted
+  while a request queued. Precise routing knows the evictions, but here KV admission and queueing decide TTFT.
+- `two_gateways`: the same trace split at random between two gateway instances (what a load balancer in front of an
+  HA pair does) with no shared `state` (no Redis, or Redis down: each routes from its own view), 4 replicas × 256 KV
+  blocks (32K tokens: the cluster's 1,024 blocks are about the prefixes alone, ~990, so beside the running requests
+  it keeps only part of them and evicts all the time: ~30K BlockRemoved events per run). Each approximate index sees half the sends and believes blocks that the other gateway's traffic
+  evicted (or never learns that the other placed a prefix): its guesses go stale, as with batch clients that call
+  replicas directly. Precise gateways both read what every replica reports.
+- `moderate`: the two_gateways KV with one gateway: the control that shows the gain there comes from the traffic the
+  approximate index does not see, not from the larger KV.
+
+Modes, each through freshly started gateway(s), with the replicas' caches and counters reset before every run:
 `round_robin`, `prefix_affinity` (approximate) and `precise` (prefix_affinity + `precise:` on the pool). Printed side
-by side: the hit rate from the replicas' own /metrics, TTFT p50/p95, throughput, routing reasons and, for precise,
-how replicas were scored (exact vs fallback). Checks: precise hit rate ≥ approximate's, and precise TTFT p95 ≤ 0.8 ×
-approximate's. With --rounds > 1 the modes are interleaved and medians compared.
+by side: the hit rate from the replicas' own /metrics, TTFT p50/p95/p99 over every request, throughput, routing
+reasons and, for precise, how replicas were scored (exact vs fallback) and the KV events heard. Checks, per scenario
+and named by it: precise hit rate ≥ approximate's, precise TTFT p95 ≤ 0.8 × approximate's, no failed request; the
+closing lines say in which scenarios each is met and missed (with the ratios). The exit status is 0 when each check
+is met in at least one scenario and no request failed. With --rounds > 1 the modes are interleaved and medians
+compared; on a shared 2-core machine single rounds swing by ±30%.
 
 Also measures what exact tokenization costs the gateway (8K, 128K and 1M-token chats, the tiny tokenizer), and how
-long the event loop stalls meanwhile (the work runs in the hasher's threads).
+long the event loop stalls meanwhile (the work runs in the hasher's threads and, for large bodies, a process).
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import string
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +65,7 @@ MODEL = "MiniMaxAI/MiniMax-M3"
 MODES = ("round_robin", "prefix_affinity", "precise")
 REPLICAS = 4
 KV_BLOCKS = 160  # 20K tokens per replica; the trace's prefixes alone need ~3x the cluster's cache
+TARGET_RATIO = 0.8  # precise TTFT p95 ≤ 0.8 × approximate prefix_affinity's
 EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
                      "replay_endpoint": "tcp://*:0", "topic": "kv"})
 
@@ -87,6 +103,47 @@ class Pressure:
 QUICK = Pressure(groups=24, per_group=6)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """Where the same trace runs: how many gateway instances share it, and the replicas' KV size."""
+
+    name: str
+    gateways: int  # instances behind a random-split load balancer, no shared state between them
+    kv_blocks: int  # per simulated replica
+    what: str  # one line for the printed table
+
+    def title(self) -> str:
+        return (f"{self.name}: {self.what} ({self.gateways} gateway{'s' if self.gateways > 1 else ''}, "
+                f"{REPLICAS} replicas × {self.kv_blocks} KV blocks = {self.kv_blocks * 128} tokens each)")
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    # One gateway sees every request: its approximate index is a close model of vLLM's LRU (see the docstring).
+    Scenario("pressure", 1, KV_BLOCKS, "one gateway sees all traffic; ~4 requests fill a replica's KV"),
+    # An HA pair without shared state: each approximate index sees half the sends (see the docstring).
+    Scenario("two_gateways", 2, 256, "two gateway instances, no shared state; KV ≈ the prefixes alone"),
+    # The control for two_gateways: its KV, one gateway.
+    Scenario("moderate", 1, 256, "one gateway sees all traffic; KV ≈ the prefixes alone"),
+)}
+DEFAULT_SCENARIOS = ("pressure", "two_gateways")
+
+
+class SplitTarget(Target):
+    """Several gateway instances behind a load balancer that picks one at random per request (seeded)."""
+
+    def __init__(self, gateways: list[str], seed: int = 1) -> None:
+        super().__init__(gateway=gateways[0])
+        self.gateways = [g.rstrip("/") for g in gateways]
+        self._rnd = random.Random(seed)
+
+    @property
+    def label(self) -> str:
+        return f"{len(self.gateways)} gateways (random split)"
+
+    def pick(self) -> str:
+        return self.gateways[0] if len(self.gateways) == 1 else self._rnd.choice(self.gateways)
+
+
 def gateway_config(urls: list[str], mode: str, tokenizer_dir: Path) -> dict[str, Any]:
     pool: dict[str, Any] = {"name": "bench", "max_model_len": 16384, "endpoints": urls}
     if mode == "precise":
@@ -109,17 +166,31 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
             text = resp.read().decode()
     except OSError:
         return {}
-    out: dict[str, dict[str, float]] = {"reasons": {}, "scorings": {}, "fallbacks": {}, "requests": {}}
+    out: dict[str, dict[str, float]] = {"reasons": {}, "scorings": {}, "fallbacks": {}, "requests": {}, "events": {}}
     prefixes = {"m3gate_routing_decisions_total{": ("reasons", "reason"),
                 "m3gate_precise_replica_scorings_total{": ("scorings", "source"),
                 "m3gate_precise_fallbacks_total{": ("fallbacks", "reason"),
-                "m3gate_precise_requests_total{": ("requests", "hashes")}
+                "m3gate_precise_requests_total{": ("requests", "hashes"),
+                "m3gate_kv_events_total{": ("events", "type")}
     for line in text.splitlines():
         for prefix, (table, label) in prefixes.items():
             if line.startswith(prefix):
                 labels, _, value = line.rpartition(" ")
                 key = labels.split(f'{label}="', 1)[1].split('"', 1)[0] if f'{label}="' in labels else "?"
                 out[table][key] = out[table].get(key, 0.0) + float(value)
+    return out
+
+
+def merge_scrapes(scrapes: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Several gateways' counters as one (summed); KV events are counted once (every gateway hears them all)."""
+    out: dict[str, dict[str, float]] = {}
+    for n, one in enumerate(scrapes):
+        for table, values in one.items():
+            if table == "events" and n:
+                continue
+            into = out.setdefault(table, {})
+            for key, value in values.items():
+                into[key] = into.get(key, 0.0) + value
     return out
 
 
@@ -155,31 +226,32 @@ def _fmt(v: Any, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
 
-def run(pressure: Pressure, rounds: int, kv_blocks: int, speed: float, out_root: Path | None,
-        progress: bool | None) -> dict[str, Any]:
-    from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
+def run_scenario(scenario: Scenario, plan: Any, rounds: int, speed: float, tokenizer_dir: Path, folder: Path,
+                 progress: bool | None) -> dict[str, Any]:
+    """Every mode on a fresh gateway (or pair), the replicas' caches and counters reset before each; rounds
+    interleaved (odd rounds in reverse order), medians."""
+    from contextlib import ExitStack
 
-    tokenizer_dir = ensure_tiny_tokenizer()
-    plan = build_plan(pressure.spec(), source="bench_precise")
-    folder = out_root or run_dir("precise")
-    folder.mkdir(parents=True, exist_ok=True)
-    print(f"workload {plan.name}: {len(plan.items)} requests; {REPLICAS} replicas × {kv_blocks} KV blocks "
-          f"({kv_blocks * 128} tokens each); replica speed {speed:g}", flush=True)
+    print(f"{scenario.title()}", flush=True)
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    with sim_pool(REPLICAS, 16384, sim_args(tokenizer_dir, kv_blocks, speed)) as pool:
+    with sim_pool(REPLICAS, 16384, sim_args(tokenizer_dir, scenario.kv_blocks, speed)) as pool:
         for rnd in range(rounds):
             for mode in (MODES if rnd % 2 == 0 else tuple(reversed(MODES))):
                 pool.reset()
                 started = time.monotonic()
-                with gateway(gateway_config(pool.urls, mode, tokenizer_dir)) as gw:
-                    wait_gateway_sees(gw.url, REPLICAS)
+                with ExitStack() as stack:
+                    gws = [stack.enter_context(gateway(gateway_config(pool.urls, mode, tokenizer_dir)))
+                           for _ in range(scenario.gateways)]
+                    for gw in gws:
+                        wait_gateway_sees(gw.url, REPLICAS)
                     time.sleep(1.5)  # a /metrics scrape: the KV sizes
                     if mode == "precise":
-                        wait_synced(gw.url, REPLICAS)
-                    report, _ = execute(plan, Target(gateway=gw.url), replicas=pool.urls,
-                                        out_dir=folder / f"{mode}-r{rnd}", quiet=True, progress=progress,
-                                        plots=False, oracle=False)
-                    metrics = scrape(gw.url)
+                        for gw in gws:
+                            wait_synced(gw.url, REPLICAS)
+                    report, _ = execute(plan, SplitTarget([gw.url for gw in gws], seed=rnd + 1), replicas=pool.urls,
+                                        out_dir=folder / f"{scenario.name}-{mode}-r{rnd}", quiet=True,
+                                        progress=progress, plots=False, oracle=False)
+                    metrics = merge_scrapes([scrape(gw.url) for gw in gws])
                 row = _row(mode, report, metrics)
                 per_mode[mode].append(row)
                 print(f"  round {rnd + 1} {mode:16s} hit {_fmt(row['hit_rate'], '.1%')}  TTFT p50/p95 "
@@ -187,9 +259,22 @@ def run(pressure: Pressure, rounds: int, kv_blocks: int, speed: float, out_root:
                       f"{row['sent']} ok  reasons {metrics.get('reasons')}  ({time.monotonic() - started:.0f} s)",
                       flush=True)
     rows = {m: _median(v) for m, v in per_mode.items()}
-    result = {"workload": plan.summary(), "pressure": pressure.__dict__, "replicas": REPLICAS, "kv_blocks": kv_blocks,
-              "speed": speed,
-              "rounds": rounds, "rows": rows, "per_round": per_mode, "checks": checks(rows), "folder": str(folder)}
+    return {"scenario": scenario.__dict__, "rows": rows, "per_round": per_mode, "checks": checks(rows)}
+
+
+def run(pressure: Pressure, rounds: int, scenarios: list[Scenario], speed: float, out_root: Path | None,
+        progress: bool | None) -> dict[str, Any]:
+    from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
+
+    tokenizer_dir = ensure_tiny_tokenizer()
+    plan = build_plan(pressure.spec(), source="bench_precise")
+    folder = out_root or run_dir("precise")
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"workload {plan.name}: {len(plan.items)} requests, {pressure.rate:g}/s; {REPLICAS} simulated replicas, "
+          f"speed {speed:g}; scenarios {', '.join(s.name for s in scenarios)}", flush=True)
+    results = {s.name: run_scenario(s, plan, rounds, speed, tokenizer_dir, folder, progress) for s in scenarios}
+    result = {"workload": plan.summary(), "pressure": pressure.__dict__, "replicas": REPLICAS, "speed": speed,
+              "rounds": rounds, "scenarios": results, "verdict": verdict(results), "folder": str(folder)}
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -199,24 +284,86 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in rows[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             vals = [r[key] for r in rows if r.get(key) is not None]
-            out[key] = statistics.median(vals) if vals else None
+            median = statistics.median(vals) if vals else None
+            out[key] = round(median) if isinstance(value, int) and median is not None else median
     return out
+
+
+def ratio(rows: dict[str, dict[str, Any]]) -> float | None:
+    """precise TTFT p95 / approximate prefix_affinity's."""
+    pa, pr = rows["prefix_affinity"]["ttft_p95"], rows["precise"]["ttft_p95"]
+    return pr / pa if pa and pr else None
 
 
 def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One scenario's checks (`name` is what the verdict groups by)."""
     pa, pr = rows["prefix_affinity"], rows["precise"]
-    out = [
+    r = ratio(rows)
+    return [
         {"name": "precise hit rate ≥ approximate prefix_affinity's",
          "value": f"{_fmt(pr['hit_rate'], '.1%')} vs {_fmt(pa['hit_rate'], '.1%')}",
          "ok": pr["hit_rate"] is not None and pa["hit_rate"] is not None and pr["hit_rate"] >= pa["hit_rate"]},
-        {"name": "precise TTFT p95 ≤ 0.8 × approximate prefix_affinity's",
-         "value": f"{_fmt(pr['ttft_p95'], '.0f')} ms vs 0.8 × {_fmt(pa['ttft_p95'], '.0f')} ms (ratio "
-                  f"{_fmt(pr['ttft_p95'] / pa['ttft_p95'] if pr['ttft_p95'] and pa['ttft_p95'] else None, '.2f')})",
-         "ok": bool(pr["ttft_p95"] and pa["ttft_p95"] and pr["ttft_p95"] <= 0.8 * pa["ttft_p95"])},
+        {"name": f"precise TTFT p95 ≤ {TARGET_RATIO} × approximate prefix_affinity's",
+         "value": f"{_fmt(pr['ttft_p95'], '.0f')} ms vs {TARGET_RATIO} × {_fmt(pa['ttft_p95'], '.0f')} ms "
+                  f"(ratio {_fmt(r, '.2f')})",
+         "ok": r is not None and r <= TARGET_RATIO},
         {"name": "no failed requests", "value": str(sum(r["failed"] for r in rows.values())),
          "ok": all(r["failed"] == 0 for r in rows.values())},
     ]
+
+
+def verdict(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per check, the scenarios that meet it and those that miss it. The bench passes when every check is met in at
+    least one scenario and no request failed anywhere; the printout names where each one is missed."""
+    names = [c["name"] for c in next(iter(results.values()))["checks"]] if results else []
+    out: dict[str, Any] = {"checks": {}, "ok": bool(results)}
+    for name in names:
+        met = [s for s, r in results.items() for c in r["checks"] if c["name"] == name and c["ok"]]
+        missed = [s for s in results if s not in met]
+        out["checks"][name] = {"met": met, "missed": missed}
+        if not met or (name == "no failed requests" and missed):
+            out["ok"] = False
     return out
+
+
+def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> str:
+    lines = [f"## Precise vs approximate prefix routing ({result['replicas']} simulated replicas, {result['rounds']} "
+             f"round(s), medians)", ""]
+    for name, sc in result["scenarios"].items():
+        scenario, rows = Scenario(**sc["scenario"]), sc["rows"]
+        lines += [f"### {scenario.title()}", "",
+                  "| mode | hit rate (replicas) | TTFT p50 / p95 / p99 ms | req/s | max/mean load | ok / sent | "
+                  "preemptions |", "|---|---|---|---|---|---|---|"]
+        for mode in MODES:
+            r = rows[mode]
+            lines.append(f"| {mode} | {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['ttft_p50'], '.0f')} / "
+                         f"{_fmt(r['ttft_p95'], '.0f')} / {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['req_s'], '.2f')} | "
+                         f"{_fmt(r['max_over_mean'], '.2f')} | {r['completed']} / {r['sent']} | "
+                         f"{_fmt(r['preemptions'], '.0f')} |")
+        lines.append("")
+        for c in sc["checks"]:
+            lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  [{name}] {c['name']}: {c['value']}")
+        gw = rows["precise"].get("gateway") or {}
+        events = gw.get("events") or {}
+        lines += ["", f"precise routing reasons: {gw.get('reasons')}",
+                  f"precise replica scorings: {gw.get('scorings')}; fallbacks: {gw.get('fallbacks') or {}}; "
+                  f"requests with exact hashes: {gw.get('requests')}; KV events heard: {events or '–'}",
+                  f"approximate routing reasons: {(rows['prefix_affinity'].get('gateway') or {}).get('reasons')}", ""]
+    v = result["verdict"]
+    target = f"precise TTFT p95 ≤ {TARGET_RATIO} × approximate prefix_affinity's"
+    ratios = {n: ratio(sc["rows"]) for n, sc in result["scenarios"].items()}
+    where = v["checks"].get(target, {"met": [], "missed": []})
+    lines.append("Target (precise TTFT p95 ≤ 0.8× approximate's): "
+                 + ("met in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["met"])
+                    if where["met"] else "met in no scenario")
+                 + ("; missed in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["missed"])
+                    if where["missed"] else "") + ".")
+    hit = v["checks"].get("precise hit rate ≥ approximate prefix_affinity's", {"met": [], "missed": []})
+    lines += [f"Hit rate (precise ≥ approximate's): met in {', '.join(hit['met']) or 'no scenario'}"
+              + (f"; missed in {', '.join(hit['missed'])}" if hit["missed"] else "") + ".", ""]
+    if cost:
+        lines += cost_text(cost)
+    return "\n".join(lines) + "\n"
 
 
 def cost_text(cost: list[dict[str, Any]]) -> list[str]:
@@ -226,31 +373,6 @@ def cost_text(cost: list[dict[str, Any]]) -> list[str]:
     for c in cost:
         lines.append(f"| {c['label']} | {c['tokens']} | {c['blocks']} | {c['ms']:.0f} | {c['stall_ms']:.1f} |")
     return [*lines, ""]
-
-
-def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> str:
-    rows = result["rows"]
-    lines = [f"## Precise vs approximate prefix routing under KV pressure ({result['replicas']} simulated replicas × "
-             f"{result['kv_blocks']} KV blocks, {result['rounds']} round(s), medians)", "",
-             "| mode | hit rate (replicas) | TTFT p50 / p95 / p99 ms | req/s | max/mean load | ok / sent | "
-             "preemptions |", "|---|---|---|---|---|---|---|"]
-    for mode in MODES:
-        r = rows[mode]
-        lines.append(f"| {mode} | {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['ttft_p50'], '.0f')} / "
-                     f"{_fmt(r['ttft_p95'], '.0f')} / {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['req_s'], '.2f')} | "
-                     f"{_fmt(r['max_over_mean'], '.2f')} | {r['completed']} / {r['sent']} | "
-                     f"{_fmt(r['preemptions'], '.0f')} |")
-    lines.append("")
-    for c in result["checks"]:
-        lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']}: {c['value']}")
-    gw = rows["precise"].get("gateway") or {}
-    lines += ["", f"precise routing reasons: {gw.get('reasons')}",
-              f"precise replica scorings: {gw.get('scorings')}; fallbacks: {gw.get('fallbacks') or {}}; "
-              f"requests with exact hashes: {gw.get('requests')}",
-              f"approximate routing reasons: {(rows['prefix_affinity'].get('gateway') or {}).get('reasons')}", ""]
-    if cost:
-        lines += cost_text(cost)
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -264,9 +386,10 @@ def _prose(rnd: random.Random, tokens: int, tokenizer: Any) -> str:
     return " ".join(rnd.choice(words) for _ in range(int(tokens / per_word)))
 
 
-def tokenize_cost(
-    sizes: tuple[int, ...] = (8192, 131072, 1048576), max_chars: int | None = None
-) -> list[dict[str, Any]]:
+COST_SIZES = (8192, 131072, 1048576)
+
+
+def tokenize_cost(sizes: tuple[int, ...] = COST_SIZES, max_chars: int | None = None) -> list[dict[str, Any]]:
     """Hash chat requests of these sizes through PromptHasher (worker threads) while a 1 ms ticker runs on the loop."""
     from pools.tokenizer import HashSettings, LocalTokenizer, PromptHasher
     from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
@@ -306,7 +429,10 @@ def tokenize_cost(
             print(f"  tokenize+hash {label}: {tokens} tokens, {runs[0][2]} blocks, {ms:.0f} ms, event loop stalled "
                   f"at most {out[-1]['stall_ms']:.1f} ms", flush=True)
     finally:
+        process = hasher._process  # closed without waiting: wait here, or the interpreter's exit hook trips on it
         hasher.close()
+        if process is not None:
+            process.shutdown(wait=True)
     return out
 
 
@@ -317,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=None,
                             help=f"trace: {name} (default {default}; --quick: {getattr(QUICK, name)})")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are compared")
-    parser.add_argument("--kv-blocks", type=int, default=KV_BLOCKS, help="KV blocks per simulated replica")
+    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(DEFAULT_SCENARIOS),
+                        help=f"which scenarios (default: {' '.join(DEFAULT_SCENARIOS)})")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="KV blocks per simulated replica in every scenario (default: each scenario's own)")
     parser.add_argument("--speed", type=float, default=1.0, help="the replicas' --speed (lower: heavier load)")
     parser.add_argument("--tokenize-cost-only", action="store_true", help="only measure exact tokenization")
     parser.add_argument("--no-tokenize-cost", action="store_true", help="skip the tokenization measurement")
@@ -330,13 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pressure = QUICK if args.quick else Pressure()
     pressure = replace(pressure, **{k: getattr(args, k) for k in pressure.__dict__ if getattr(args, k) is not None})
-    result = run(pressure, args.rounds, args.kv_blocks, args.speed, Path(args.out) if args.out else None,
-                 args.progress)
+    scenarios = [SCENARIOS[n] if args.kv_blocks is None else replace(SCENARIOS[n], kv_blocks=args.kv_blocks)
+                 for n in dict.fromkeys(args.scenarios)]
+    result = run(pressure, args.rounds, scenarios, args.speed, Path(args.out) if args.out else None, args.progress)
     text = summary_text(result, cost)
     (Path(result["folder"]) / "summary.md").write_text(text)
     print(text)
     print(f"results: {result['folder']}")
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return 0 if result["verdict"]["ok"] else 1
 
 
 if __name__ == "__main__":

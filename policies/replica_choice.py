@@ -59,6 +59,7 @@ __all__ = [
     "saturation",
     "queue_estimate",
     "predict_ttft",
+    "prefill_rate",
     "rendezvous_weight",
     "score_ttft",
     "score_kv_headroom",
@@ -120,6 +121,9 @@ class ChoiceParams:
     near_best_slack_s: float = 0.02
     max_sessions: int = 100_000
     session_ttl_s: float = 3600.0
+    pool_prefill_rate: bool = True  # predict prefill at the pool's fastest observed s/token (see prefill_rate)
+    queue_uncached_alpha: float | None = 0.2  # EWMA weight of the uncached share of what was sent to a replica,
+    # which scales the queue ahead's tokens (see PrefixAffinity); None: count queued prompts whole
     weights: Mapping[str, float] = field(default_factory=lambda: {"ttft": 1.0, "kv_headroom": 0.1, "balance": 0.1})
 
 
@@ -192,20 +196,34 @@ def predict_ttft(
     running: float,
     tokens_per_waiting: float,
     chunk_tokens: int,
+    s_per_token: float | None = None,
 ) -> float:
     """Seconds to first token: prefill of the queue ahead and of our uncached tokens, one engine step at a time.
 
     Each chunked-prefill step takes up to chunk_tokens tokens, minus one decode token per running request, and the
-    steps also decode the running requests, which costs about one TPOT each.
+    steps also decode the running requests, which costs about one TPOT each. `s_per_token`: the prefill rate to use
+    (default: the replica's own estimate).
     """
     work = waiting * tokens_per_waiting + (uncached_tokens if uncached_tokens > 1 else 1)
-    seconds = work * replica.prefill_s_per_token
+    seconds = work * (replica.prefill_s_per_token if s_per_token is None else s_per_token)
     if running > 0:
         per_step = chunk_tokens - running
         if per_step < chunk_tokens / 8:
             per_step = chunk_tokens / 8
         seconds += math.ceil(work / per_step) * replica.tpot_s
     return seconds
+
+
+def prefill_rate(replicas: Sequence[ReplicaSnapshot]) -> float:
+    """The pool's prefill seconds per uncached token: the lowest of its replicas' estimates.
+
+    Each replica's estimate is an EWMA of TTFT / uncached prompt tokens, so it also holds the time the request
+    queued, and a cache hit (a few uncached tokens behind a queue) inflates it tenfold: a replica that just served
+    hits would look slowest and be avoided exactly where the cache is. The queue is modelled apart (predict_ttft),
+    so the rate wanted is the engines' compute rate, which the replicas of a pool (one model, one launch recipe)
+    share; the least inflated estimate is the closest to it.
+    """
+    return min((r.prefill_s_per_token for r in replicas if r.healthy and not r.draining), default=60e-6)
 
 
 def load_of(replica: ReplicaSnapshot, params: ChoiceParams) -> float:
@@ -343,6 +361,11 @@ class LeastLoaded:
 class PrefixAffinity:
     """Lowest predicted TTFT given what each replica has cached, under bounded load, with sticky sessions.
 
+    The TTFT model's queue ahead counts what the queued requests will really prefill: per replica, an EWMA of the
+    uncached share of the requests sent there (from the matched blocks each was routed with: exact ones with precise
+    routing) scales their token estimates, so a replica whose queue is made of cache hits is not mistaken for one
+    that queues full prompts. Prefill is predicted at the pool's rate (`prefill_rate`).
+
     Reasons reported: "session" (kept its replica), "affinity_hit" (went where most of its prefix is cached),
     "load_spill" (a replica with more of its prefix was passed over for load), "cold_rendezvous" (no replica holds
     any of it: rendezvous on its first block among the least-loaded, so repeats of a new prefix meet),
@@ -361,6 +384,8 @@ class PrefixAffinity:
         self._turn = 0
         self._match_request = getattr(prefix_index, "match_request", None)  # a RequestMatcher's, when it is one
         self._record_request = getattr(prefix_index, "record_request", None)
+        self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
+        self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
         """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
@@ -375,6 +400,8 @@ class PrefixAffinity:
         out: list[Candidate] = []
         prompt_tokens = request.prompt_tokens
         chunk_tokens = params.chunk_tokens
+        rate = prefill_rate(replicas) if params.pool_prefill_rate else None
+        shares = self._uncached_share if params.queue_uncached_alpha is not None else {}
         for r in replicas:
             if not r.healthy or r.draining:
                 continue
@@ -383,7 +410,9 @@ class PrefixAffinity:
             uncached = prompt_tokens - matched * r.block_size
             waiting, running = queue_estimate(r, params)
             per_waiting = r.in_flight_tokens / r.in_flight if r.in_flight else float(prompt_tokens)
-            ttft = predict_ttft(r, uncached, waiting, running, per_waiting, chunk_tokens)
+            if shares:
+                per_waiting *= shares.get(url, 1.0)
+            ttft = predict_ttft(r, uncached, waiting, running, per_waiting, chunk_tokens, rate)
             saturated = saturation(r, params) is not None
             source = "" if exact is None else "exact" if url in exact else "approx"
             out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source))
@@ -415,6 +444,8 @@ class PrefixAffinity:
         elif reason == "affinity_hit" and chosen.source:
             reason = f"affinity_hit:{chosen.source}"  # exact (the replica's KV events) or approx (estimated)
 
+        if params.queue_uncached_alpha is not None:
+            self._last = (request, everyone)
         rest = [c for c in ranked if c is not chosen]
         if not all_saturated:  # saturated replicas are still worth a retry, last
             rest += sorted((c for c in everyone if c.saturated), key=lambda c: c.predicted_ttft_s)
@@ -428,7 +459,19 @@ class PrefixAffinity:
         )
 
     def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
-        """The request went to `replica`: its blocks are there now, and its session follows it."""
+        """The request went to `replica`: its blocks are there now, its session follows it, and the replica's
+        queue now holds its uncached share."""
+        last = self._last
+        alpha = self.params.queue_uncached_alpha
+        if last is not None and last[0] is request and alpha is not None:
+            chosen = next((c for c in last[1] if c.url == replica), None)
+            if chosen is not None:
+                share = chosen.uncached_tokens / request.prompt_tokens if request.prompt_tokens > 0 else 1.0
+                shares = self._uncached_share
+                before = shares.get(replica, 1.0)
+                shares[replica] = before + alpha * (share - before)
+                if len(shares) > _MAX_SHARES:  # replicas come and go with discovery: keep the recent ones
+                    del shares[next(iter(shares))]
         if self._record_request is not None:
             self._record_request(request, replica, now)
         elif self.prefix_index is not None and request.block_hashes:
@@ -485,6 +528,9 @@ class PrefixAffinity:
         (1 + ε)·mean + c requests, the mean including this one."""
         mean_after = (sum(c.load for c in usable) + 1.0) / len(usable)
         return (1.0 + self.params.load_epsilon) * mean_after + self.params.load_slack
+
+
+_MAX_SHARES = 4096
 
 
 def build_policy(name: PolicyName, **params: Any) -> ReplicaPolicy:

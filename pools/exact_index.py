@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from policies.replica_choice import PrefixMatch, RoutingRequest
+from pools.block_lru import BlockLRU, BlockSets
 from pools.prefix_index import DEFAULT_BLOCKS, PrefixIndex
 
 __all__ = ["ExactIndex", "HybridMatcher", "MatchCounters", "DEFAULT_BLOCKS"]
@@ -38,15 +39,12 @@ Clock = Callable[[], float]
 @dataclass(slots=True)
 class _Source:
     replica: str
-    bit: int
-    capacity: int
-    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)  # insertion order: oldest first
+    lru: BlockLRU[None]  # its blocks, oldest first (pools/block_lru.py)
     live: bool = False  # synced with the publisher (subscriber sets it)
     down_reason: str = "not_synced"  # why it is not live
     stale_until: float = 0.0
     stale_reason: str = "stale"  # why it is distrusted until stale_until
     last_heard: float | None = None
-    overflow_evictions: int = 0
 
 
 @dataclass(slots=True)
@@ -57,7 +55,8 @@ class _Replica:
 
 
 class ExactIndex:
-    """Per-source sets of block hashes with a global hash → sources bitmask, and each replica's freshness."""
+    """Per-source sets of block hashes with a global hash → sources bitmask (pools/block_lru.py), and each
+    replica's freshness."""
 
     def __init__(
         self,
@@ -76,8 +75,7 @@ class ExactIndex:
         self.pending_ttl_s = pending_ttl_s
         self._sources: dict[str, _Source] = {}
         self._replicas: dict[str, _Replica] = {}
-        self._by_bit: dict[int, str] = {}
-        self._holders: dict[int, int] = {}  # block hash → bitmask of sources holding it
+        self._sets: BlockSets[None] = BlockSets()
 
     # -- membership ---------------------------------------------------------------------------------------------
 
@@ -86,16 +84,10 @@ class ExactIndex:
 
     def add_source(self, source: str, replica: str, kv_blocks: int | None = None) -> None:
         """Register (or re-bound) an event source of `replica`; a new one starts stale until synced."""
-        state = self._sources.get(source)
-        if state is None:
-            bit = next(b for b in range(len(self._by_bit) + 1) if b not in self._by_bit)
-            state = _Source(replica=replica, bit=bit, capacity=self._capacity(kv_blocks))
-            self._sources[source] = state
-            self._by_bit[bit] = source
+        lru = self._sets.add(source, self._capacity(kv_blocks))
+        if source not in self._sources:
+            self._sources[source] = _Source(replica=replica, lru=lru)
             self._replicas.setdefault(replica, _Replica()).sources.append(source)
-        else:
-            state.capacity = self._capacity(kv_blocks)
-            self._evict_over(state)
 
     def sync(self, sources: Mapping[str, tuple[str, int | None]]) -> None:
         """Make the sources exactly these (source → (replica, kv_blocks)); others are removed with their blocks."""
@@ -111,8 +103,7 @@ class ExactIndex:
         state = self._sources.pop(source, None)
         if state is None:
             return
-        self._drop_all(state)
-        del self._by_bit[state.bit]
+        self._sets.remove(source)
         replica = self._replicas.get(state.replica)
         if replica is not None:
             replica.sources.remove(source)
@@ -131,30 +122,22 @@ class ExactIndex:
         state = self._sources.get(source)
         if state is None:
             return
-        blocks = state.blocks
-        holders = self._holders
-        bit = 1 << state.bit
         pending = self._replicas[state.replica].pending
-        for block in hashes:
-            if block in blocks:
-                blocks.move_to_end(block)
-            else:
-                blocks[block] = None
-                holders[block] = holders.get(block, 0) | bit
-            if pending:
+        if pending:
+            hashes = list(hashes)
+            for block in hashes:
                 pending.pop(block, None)
-        self._evict_over(state)
+        self._sets.touch(state.lru, hashes, None)
 
     def removed(self, source: str, hashes: Iterable[int]) -> None:
         state = self._sources.get(source)
         if state is None:
             return
         pending = self._replicas[state.replica].pending
-        blocks = state.blocks
+        lru = state.lru
+        discard = self._sets.discard
         for block in hashes:
-            if block in blocks:
-                del blocks[block]
-                self._release(block, state.bit)
+            discard(lru, block)
             if pending:
                 pending.pop(block, None)
 
@@ -162,7 +145,7 @@ class ExactIndex:
         """AllBlocksCleared, a publisher restart, or a resync: the source holds nothing (known) any more."""
         state = self._sources.get(source)
         if state is not None:
-            self._drop_all(state)
+            self._sets.clear(state.lru)
             self._replicas[state.replica].pending.clear()
 
     def heard(self, source: str, now: float) -> None:
@@ -206,7 +189,7 @@ class ExactIndex:
             pending[block] = expiry
             pending.move_to_end(block)
         self._expire_pending(state, now)
-        limit = max(self._sources[s].capacity for s in state.sources)
+        limit = max(self._sources[s].lru.capacity for s in state.sources)
         while len(pending) > limit:
             pending.popitem(last=False)
 
@@ -248,13 +231,9 @@ class ExactIndex:
             return 0
         best = 0
         for source in state.sources:
-            blocks = self._sources[source].blocks
-            count = 0
-            for block in hashes:
-                if block not in blocks:
-                    break
-                count += 1
-            best = max(best, count)
+            count = self._sets.match(source, hashes)
+            if count > best:
+                best = count
         return self._extend_pending(state, hashes, best, now) if pending else best
 
     def _extend_pending(self, state: _Replica, hashes: Sequence[int], start: int, now: float) -> int:
@@ -272,7 +251,7 @@ class ExactIndex:
     def match_all(self, hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
         """Leading blocks held per replica (best rank), pending blocks included; replicas with none left out."""
         now = self.clock() if now is None else now
-        by_source = _match_bits(self._holders, self._by_bit, hashes)
+        by_source = self._sets.match_all(hashes)
         out: dict[str, int] = {}
         for source, count in by_source.items():
             replica = self._sources[source].replica
@@ -289,7 +268,7 @@ class ExactIndex:
 
     def size(self, replica: str) -> int:
         state = self._replicas.get(replica)
-        return sum(len(self._sources[s].blocks) for s in state.sources) if state else 0
+        return sum(len(self._sources[s].lru.entries) for s in state.sources) if state else 0
 
     def pending_size(self, replica: str) -> int:
         state = self._replicas.get(replica)
@@ -297,63 +276,17 @@ class ExactIndex:
 
     def capacity(self, source: str) -> int:
         state = self._sources.get(source)
-        return state.capacity if state else self._capacity(None)
+        return state.lru.capacity if state else self._capacity(None)
 
     def distinct_blocks(self) -> int:
-        return len(self._holders)
+        return self._sets.distinct()
 
     def overflow_evictions(self) -> int:
-        return sum(s.overflow_evictions for s in self._sources.values())
+        """Blocks dropped because a source's set outgrew its replica's KV (lost BlockRemoved events)."""
+        return sum(s.lru.evicted for s in self._sources.values())
 
     def __len__(self) -> int:
-        return sum(len(s.blocks) for s in self._sources.values())
-
-    # -- internals ----------------------------------------------------------------------------------------------
-
-    def _evict_over(self, state: _Source) -> None:
-        blocks = state.blocks
-        while len(blocks) > state.capacity:
-            block, _ = blocks.popitem(last=False)
-            self._release(block, state.bit)
-            state.overflow_evictions += 1
-
-    def _release(self, block: int, bit: int) -> None:
-        mask = self._holders.get(block, 0) & ~(1 << bit)
-        if mask:
-            self._holders[block] = mask
-        else:
-            self._holders.pop(block, None)
-
-    def _drop_all(self, state: _Source) -> None:
-        for block in state.blocks:
-            self._release(block, state.bit)
-        state.blocks.clear()
-
-
-def _match_bits(holders: Mapping[int, int], by_bit: Mapping[int, str], hashes: Sequence[int]) -> dict[str, int]:
-    """Leading blocks per key in one pass: a bitmask of the keys still matching is narrowed block by block."""
-    alive = -1
-    matched: dict[str, int] = {}
-    for position, block in enumerate(hashes):
-        mask = holders.get(block, 0) & alive
-        dropped = alive & ~mask if position else 0
-        while dropped:
-            low = dropped & -dropped
-            key = by_bit.get(low.bit_length() - 1)
-            if key is not None:
-                matched[key] = position
-            dropped ^= low
-        alive = mask
-        if not alive:
-            return matched
-    if hashes:
-        while alive:
-            low = alive & -alive
-            key = by_bit.get(low.bit_length() - 1)
-            if key is not None:
-                matched[key] = len(hashes)
-            alive ^= low
-    return matched
+        return len(self._sets)
 
 
 @dataclass(slots=True)
