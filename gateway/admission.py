@@ -35,6 +35,7 @@ from policies.pool_choice import PoolChoice
 from policies.traffic import CLASS_HEADER, check_input_limits, request_priority, resolve_class, restrict_to_key
 from pools.config import GatewayConfig, TrafficClassConfig, TrafficConfig
 from pools.rate_limit import RateLimiter, openai_duration, rate_limit_headers
+from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.admission")
 
@@ -92,11 +93,7 @@ class AdmissionControl:
 
     async def stop(self) -> None:
         if self._ticker is not None:
-            self._ticker.cancel()
-            try:
-                await self._ticker
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._ticker)
             self._ticker = None
         for gate in self.gates.values():
             for waiter in gate.queue:

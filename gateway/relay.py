@@ -21,6 +21,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from pools.replicas import LoadGuard
+from pools.tasks import cancel_and_wait
 
 HOP_BY_HOP = frozenset(
     {
@@ -319,11 +320,7 @@ class DisconnectWatches:
 
     async def stop(self) -> None:
         if self._ticker is not None:
-            self._ticker.cancel()
-            try:
-                await self._ticker
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._ticker)
             self._ticker = None
         while self._due:
             self._due.popleft()[1].start()
