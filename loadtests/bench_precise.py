@@ -19,20 +19,42 @@ Scenarios (each prints its own table; `--scenarios` picks, `moderate` is a contr
 - `two_gateways`: the same trace split at random between two gateway instances (what a load balancer in front of an
   HA pair does) with no shared `state` (no Redis, or Redis down: each routes from its own view), 4 replicas × 256 KV
   blocks (32K tokens: the cluster's 1,024 blocks are about the prefixes alone, ~990, so beside the running requests
-  it keeps only part of them and evicts all the time: ~30K BlockRemoved events per run). Each approximate index sees half the sends and believes blocks that the other gateway's traffic
-  evicted (or never learns that the other placed a prefix): its guesses go stale, as with batch clients that call
-  replicas directly. Precise gateways both read what every replica reports.
+  it keeps only part of them and evicts all the time: ~30K BlockRemoved events per run). Each approximate index sees
+  half the sends and believes blocks that the other gateway's traffic evicted (or never learns that the other placed
+  a prefix): its guesses go stale, as with batch clients that call replicas directly. Precise gateways both read
+  what every replica reports.
 - `moderate`: the two_gateways KV with one gateway: the control that shows the gain there comes from the traffic the
   approximate index does not see, not from the larger KV.
 
 Modes, each through freshly started gateway(s), with the replicas' caches and counters reset before every run:
 `round_robin`, `prefix_affinity` (approximate) and `precise` (prefix_affinity + `precise:` on the pool). Printed side
-by side: the hit rate from the replicas' own /metrics, TTFT p50/p95/p99 over every request, throughput, routing
-reasons and, for precise, how replicas were scored (exact vs fallback) and the KV events heard. Checks, per scenario
-and named by it: precise hit rate ≥ approximate's, precise TTFT p95 ≤ 0.8 × approximate's, no failed request; the
-closing lines say in which scenarios each is met and missed (with the ratios). The exit status is 0 when each check
-is met in at least one scenario and no request failed. With --rounds > 1 the modes are interleaved and medians
-compared; on a shared 2-core machine single rounds swing by ±30%.
+by side: the hit rate from the replicas' own /metrics, TTFT p50/p95/p99 over every request, the first-of-group split
+(below), throughput, routing reasons and, for precise, how replicas were scored (exact vs fallback) and the KV events
+heard. Checks, per scenario and named by it: precise hit rate ≥ approximate's; precise TTFT p95 ≤ 0.8 × approximate's,
+over every request and again excluding first-of-group requests; no failed request. The closing lines say in which
+scenarios each is met and missed (with the ratios). The exit status is 0 when each check is met in at least one
+scenario and no request failed. With --rounds > 1 the modes are interleaved and medians compared; on a shared 2-core
+machine single rounds swing by ±30%.
+
+What the p95 is computed over. The first request of each prefix group to be sent (by send time, over all gateways)
+is a compulsory miss: no replica can hold a prefix nobody sent yet, so no routing avoids it; with `per_group` 8 that
+is 1/8 = 12.5% of the trace in every mode. The others ("excl. first-of-group") are the requests whose prefix some
+replica could have held: whether they hit depends on where earlier ones went and what was evicted since, which is
+what routing decides. Each mode's row gives TTFT p50/p95 for both sets, the share of cold requests (the replica
+reported 0 cached tokens in usage.prompt_tokens_details), and how many of the requests at or above the all-requests
+p95 are first-of-group and how many cold. The issue's target is the p95 over every request and stays the headline
+check; the p95 excluding first-of-group is a second check on the part routing can influence, reported beside it,
+never instead. On the full trace it hardly differs: a compulsory miss costs one cold prefill (~280 ms here, about
+the median), while the tail is requests queued behind Poisson bursts, mostly capacity misses (prefixes sent before
+and evicted since, or placed on another replica: 40–55% of requests are cold under `pressure` with prefix routing,
+not 12.5%); in the 32 × 8 runs 0–2 of the 13 requests at or above the p95 were first-of-group under pressure (0–7 in
+two_gateways and moderate, where precise's p50 is ~60 ms), and the two p95s differ by under 10% in most runs. The
+`--quick` trace (24 × 6, 144 requests) is different: 1/6 of it is first-of-group and, shuffled, those come mostly in
+its first seconds, a cold burst that can make most of its short tail, so there the split matters. So the full
+trace keeps its shape: 8 prompts per group sits between llm-d's
+`shared_prefix_synthetic` profile (32 × 32) and its precise-routing runs (150 groups × 5 users; 83 × 3), and
+`--per-group 32` runs the profile's share (1/32 first-of-group; 4× the requests, 4× the time). `--split FOLDER`
+prints the split for an earlier results folder.
 
 Also measures what exact tokenization costs the gateway (8K, 128K and 1M-token chats, the tiny tokenizer), and how
 long the event loop stalls meanwhile (the work runs in the hasher's threads and, for large bodies, a process).
@@ -49,7 +71,7 @@ import string
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,6 +81,7 @@ import orjson
 from loadtests.client import Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import gateway, sim_pool, wait_gateway_sees
+from loadtests.report import stats_ms
 from loadtests.workload import build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -212,14 +235,43 @@ def wait_synced(url: str, replicas: int, timeout: float = 60.0) -> None:
     print(f"  (the gateway's exact view is not fresh for every replica after {timeout:.0f} s)", flush=True)
 
 
-def _row(mode: str, report: dict[str, Any], gw_metrics: dict[str, Any]) -> dict[str, Any]:
+def first_of_group_split(results: Sequence[Any]) -> dict[str, Any]:
+    """TTFT split by whether a request was the first of its prefix group to be sent (a compulsory miss: no replica
+    can hold a prefix nobody sent yet, whatever the routing knows) or not (some replica could have had its prefix:
+    whether it hit is up to routing and eviction). Also where the all-requests p95 falls: of the requests at or above
+    it, how many are first-of-group and how many cold (the replica reported 0 cached tokens).
+
+    `results`: loadtests.client.Result-like (index, t_send, prefix_group, ttft, cached_tokens); requests without a
+    TTFT (failed) are left out, requests without a prefix group count as "rest". Percentiles as the report's
+    (np.percentile, linear)."""
+    done = [r for r in results if r.ttft is not None]
+    first: dict[str, int] = {}
+    for r in sorted(done, key=lambda r: (r.t_send, r.index)):
+        if r.prefix_group is not None:
+            first.setdefault(r.prefix_group, r.index)
+    is_first = {r.index: r.prefix_group is not None and first[r.prefix_group] == r.index for r in done}
+    compulsory = [r.ttft for r in done if is_first[r.index]]
+    rest = [r.ttft for r in done if not is_first[r.index]]
+    every, fo, ex = stats_ms([r.ttft for r in done]), stats_ms(compulsory), stats_ms(rest)
+    p95 = every["p95"]
+    tail = [r for r in done if p95 is not None and r.ttft * 1000.0 >= p95 - 1e-9]
+    return {"first_of_group": len(compulsory), "n": len(done),
+            "first_share": len(compulsory) / len(done) if done else None,
+            "cold_share": sum(1 for r in done if r.cached_tokens == 0) / len(done) if done else None,
+            "ttft_p50_first": fo["p50"], "ttft_p95_first": fo["p95"],
+            "ttft_p50_rest": ex["p50"], "ttft_p95_rest": ex["p95"],
+            "tail": len(tail), "tail_first": sum(1 for r in tail if is_first[r.index]),
+            "tail_cold": sum(1 for r in tail if r.cached_tokens == 0)}
+
+
+def _row(mode: str, report: dict[str, Any], gw_metrics: dict[str, Any], results: Sequence[Any] = ()) -> dict[str, Any]:
     o = report["overall"]
     cache = report.get("prefix_cache") or {}
     return {"mode": mode, "hit_rate": cache.get("rate"), "ttft_p50": o["ttft_ms"]["p50"],
             "ttft_p95": o["ttft_ms"]["p95"], "ttft_p99": o["ttft_ms"]["p99"], "req_s": o["request_throughput"],
             "completed": o["completed"], "failed": o["failed"], "sent": report["sent"],
             "preemptions": cache.get("preemptions"), "max_over_mean": report["routing"]["max_over_mean_requests"],
-            "gateway": gw_metrics}
+            **first_of_group_split(results), "gateway": gw_metrics}
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -248,14 +300,16 @@ def run_scenario(scenario: Scenario, plan: Any, rounds: int, speed: float, token
                     if mode == "precise":
                         for gw in gws:
                             wait_synced(gw.url, REPLICAS)
-                    report, _ = execute(plan, SplitTarget([gw.url for gw in gws], seed=rnd + 1), replicas=pool.urls,
+                    report, out = execute(plan, SplitTarget([gw.url for gw in gws], seed=rnd + 1), replicas=pool.urls,
                                         out_dir=folder / f"{scenario.name}-{mode}-r{rnd}", quiet=True,
                                         progress=progress, plots=False, oracle=False)
                     metrics = merge_scrapes([scrape(gw.url) for gw in gws])
-                row = _row(mode, report, metrics)
+                row = _row(mode, report, metrics, out.results)
                 per_mode[mode].append(row)
                 print(f"  round {rnd + 1} {mode:16s} hit {_fmt(row['hit_rate'], '.1%')}  TTFT p50/p95 "
-                      f"{_fmt(row['ttft_p50'], '.0f')}/{_fmt(row['ttft_p95'], '.0f')} ms  {row['completed']}/"
+                      f"{_fmt(row['ttft_p50'], '.0f')}/{_fmt(row['ttft_p95'], '.0f')} ms (excl. first-of-group "
+                      f"{_fmt(row['ttft_p95_rest'], '.0f')}; ≥ p95: {row['tail_first']}/{row['tail']} first-of-group, "
+                      f"{row['tail_cold']}/{row['tail']} cold)  {row['completed']}/"
                       f"{row['sent']} ok  reasons {metrics.get('reasons')}  ({time.monotonic() - started:.0f} s)",
                       flush=True)
     rows = {m: _median(v) for m, v in per_mode.items()}
@@ -289,24 +343,33 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def ratio(rows: dict[str, dict[str, Any]]) -> float | None:
-    """precise TTFT p95 / approximate prefix_affinity's."""
-    pa, pr = rows["prefix_affinity"]["ttft_p95"], rows["precise"]["ttft_p95"]
+def ratio(rows: dict[str, dict[str, Any]], key: str = "ttft_p95") -> float | None:
+    """precise TTFT p95 / approximate prefix_affinity's (`key="ttft_p95_rest"`: both excluding first-of-group)."""
+    pa, pr = rows["prefix_affinity"].get(key), rows["precise"].get(key)
     return pr / pa if pa and pr else None
 
 
+TARGET = f"precise TTFT p95 ≤ {TARGET_RATIO} × approximate prefix_affinity's"
+TARGET_REST = f"precise TTFT p95 excl. first-of-group ≤ {TARGET_RATIO} × approximate prefix_affinity's"
+
+
 def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One scenario's checks (`name` is what the verdict groups by)."""
+    """One scenario's checks (`name` is what the verdict groups by). The p95 target is checked twice: over every
+    request (the issue's figure) and over the requests routing can influence (first-of-group misses left out)."""
     pa, pr = rows["prefix_affinity"], rows["precise"]
-    r = ratio(rows)
+    r, rr = ratio(rows), ratio(rows, "ttft_p95_rest")
     return [
         {"name": "precise hit rate ≥ approximate prefix_affinity's",
          "value": f"{_fmt(pr['hit_rate'], '.1%')} vs {_fmt(pa['hit_rate'], '.1%')}",
          "ok": pr["hit_rate"] is not None and pa["hit_rate"] is not None and pr["hit_rate"] >= pa["hit_rate"]},
-        {"name": f"precise TTFT p95 ≤ {TARGET_RATIO} × approximate prefix_affinity's",
+        {"name": TARGET,
          "value": f"{_fmt(pr['ttft_p95'], '.0f')} ms vs {TARGET_RATIO} × {_fmt(pa['ttft_p95'], '.0f')} ms "
                   f"(ratio {_fmt(r, '.2f')})",
          "ok": r is not None and r <= TARGET_RATIO},
+        {"name": TARGET_REST,
+         "value": f"{_fmt(pr.get('ttft_p95_rest'), '.0f')} ms vs {TARGET_RATIO} × "
+                  f"{_fmt(pa.get('ttft_p95_rest'), '.0f')} ms (ratio {_fmt(rr, '.2f')})",
+         "ok": rr is not None and rr <= TARGET_RATIO},
         {"name": "no failed requests", "value": str(sum(r["failed"] for r in rows.values())),
          "ok": all(r["failed"] == 0 for r in rows.values())},
     ]
@@ -332,15 +395,24 @@ def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> s
     for name, sc in result["scenarios"].items():
         scenario, rows = Scenario(**sc["scenario"]), sc["rows"]
         lines += [f"### {scenario.title()}", "",
-                  "| mode | hit rate (replicas) | TTFT p50 / p95 / p99 ms | req/s | max/mean load | ok / sent | "
-                  "preemptions |", "|---|---|---|---|---|---|---|"]
+                  "| mode | hit rate (replicas) | TTFT p50 / p95 / p99 ms | p50 / p95 excl. first-of-group | "
+                  "first-of-group p50 / p95 | cold (0 cached) | ≥ p95: first-of-group / cold | req/s | "
+                  "max/mean load | ok / sent | preemptions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode in MODES:
             r = rows[mode]
+            tail = r.get("tail")
             lines.append(f"| {mode} | {_fmt(r['hit_rate'], '.1%')} | {_fmt(r['ttft_p50'], '.0f')} / "
-                         f"{_fmt(r['ttft_p95'], '.0f')} / {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['req_s'], '.2f')} | "
-                         f"{_fmt(r['max_over_mean'], '.2f')} | {r['completed']} / {r['sent']} | "
-                         f"{_fmt(r['preemptions'], '.0f')} |")
-        lines.append("")
+                         f"{_fmt(r['ttft_p95'], '.0f')} / {_fmt(r['ttft_p99'], '.0f')} | "
+                         f"{_fmt(r.get('ttft_p50_rest'), '.0f')} / {_fmt(r.get('ttft_p95_rest'), '.0f')} | "
+                         f"{_fmt(r.get('ttft_p50_first'), '.0f')} / {_fmt(r.get('ttft_p95_first'), '.0f')} "
+                         f"(n {_fmt(r.get('first_of_group'), 'd')}) | {_fmt(r.get('cold_share'), '.0%')} | "
+                         + (f"{r.get('tail_first')} / {r.get('tail_cold')} of {tail}" if tail else "–")
+                         + f" | {_fmt(r['req_s'], '.2f')} | {_fmt(r['max_over_mean'], '.2f')} | "
+                         f"{r['completed']} / {r['sent']} | {_fmt(r['preemptions'], '.0f')} |")
+        lines += ["", "(first-of-group: the first request of its prefix group to be sent, a compulsory miss whatever "
+                  "the routing knows; \"excl. first-of-group\": the other requests, whose prefix some replica could "
+                  "have held; cold: the replica reported 0 cached tokens; ≥ p95: the requests at or above the "
+                  "all-requests p95)", ""]
         for c in sc["checks"]:
             lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  [{name}] {c['name']}: {c['value']}")
         gw = rows["precise"].get("gateway") or {}
@@ -350,14 +422,15 @@ def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> s
                   f"requests with exact hashes: {gw.get('requests')}; KV events heard: {events or '–'}",
                   f"approximate routing reasons: {(rows['prefix_affinity'].get('gateway') or {}).get('reasons')}", ""]
     v = result["verdict"]
-    target = f"precise TTFT p95 ≤ {TARGET_RATIO} × approximate prefix_affinity's"
-    ratios = {n: ratio(sc["rows"]) for n, sc in result["scenarios"].items()}
-    where = v["checks"].get(target, {"met": [], "missed": []})
-    lines.append("Target (precise TTFT p95 ≤ 0.8× approximate's): "
-                 + ("met in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["met"])
-                    if where["met"] else "met in no scenario")
-                 + ("; missed in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["missed"])
-                    if where["missed"] else "") + ".")
+    for target, key, label in ((TARGET, "ttft_p95", "Target (precise TTFT p95 ≤ 0.8× approximate's)"),
+                               (TARGET_REST, "ttft_p95_rest", "Same, excluding first-of-group requests")):
+        ratios = {n: ratio(sc["rows"], key) for n, sc in result["scenarios"].items()}
+        where = v["checks"].get(target, {"met": [], "missed": []})
+        lines.append(f"{label}: "
+                     + ("met in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["met"])
+                        if where["met"] else "met in no scenario")
+                     + ("; missed in " + ", ".join(f"{n} (ratio {_fmt(ratios[n], '.2f')})" for n in where["missed"])
+                        if where["missed"] else "") + ".")
     hit = v["checks"].get("precise hit rate ≥ approximate prefix_affinity's", {"met": [], "missed": []})
     lines += [f"Hit rate (precise ≥ approximate's): met in {', '.join(hit['met']) or 'no scenario'}"
               + (f"; missed in {', '.join(hit['missed'])}" if hit["missed"] else "") + ".", ""]
@@ -436,6 +509,23 @@ def tokenize_cost(sizes: tuple[int, ...] = COST_SIZES, max_chars: int | None = N
     return out
 
 
+def split_folder(folder: Path) -> list[str]:
+    """The first-of-group split of every run in an earlier results folder (its `<scenario>-<mode>-r<N>/results.jsonl`
+    files): to check where the p95 fell in runs made before the split was printed."""
+    from types import SimpleNamespace
+
+    lines = []
+    for path in sorted(folder.glob("*/results.jsonl")):
+        results = [SimpleNamespace(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        s, every = first_of_group_split(results), stats_ms([r.ttft for r in results if r.ttft is not None])
+        lines.append(f"{path.parent.name:32s} TTFT p50/p95 {_fmt(every['p50'], '.0f')}/{_fmt(every['p95'], '.0f')}"
+                     f"  excl. first-of-group {_fmt(s['ttft_p50_rest'], '.0f')}/{_fmt(s['ttft_p95_rest'], '.0f')}"
+                     f"  first-of-group {_fmt(s['ttft_p50_first'], '.0f')}/{_fmt(s['ttft_p95_first'], '.0f')}"
+                     f" ({s['first_of_group']}/{s['n']})  cold {_fmt(s['cold_share'], '.0%')}"
+                     f"  ≥ p95: {s['tail_first']} first-of-group, {s['tail_cold']} cold of {s['tail']}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a shorter trace")
@@ -452,7 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tokenize-cost", action="store_true", help="skip the tokenization measurement")
     parser.add_argument("--out", help="results folder")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--split", metavar="FOLDER", help="only print the first-of-group TTFT split of an earlier "
+                        "run's results folder (runs nothing)")
     args = parser.parse_args(argv)
+    if args.split:
+        print("\n".join(split_folder(Path(args.split))) or f"no */results.jsonl under {args.split}")
+        return 0
     cost = None if args.no_tokenize_cost else tokenize_cost()
     if args.tokenize_cost_only:
         print("\n".join(cost_text(cost or [])))
