@@ -31,16 +31,29 @@ GENERATE_PATHS = {
 }
 
 
+async def receive_body(request: Request, limit: int, deadline: Callable[[], Any]) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit`. Taken at once when the server
+    already holds all of it; otherwise read within `deadline()` (a slowloris body gets a 408)."""
+    raw = await buffered_body(request, limit)
+    if raw is None:
+        async with deadline():
+            raw = await read_body(request, limit)
+    return raw
+
+
+def _too_large(size: int, limit: int) -> RequestRejected:
+    return RequestRejected(
+        f"Request body is {size} bytes; this gateway accepts at most {limit} bytes. Send a smaller request (fewer "
+        "or smaller images, shorter context).",
+        status=413, code="request_too_large",
+    )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit`. Callers bound the wait
-    (`TrafficControl.body_deadline`); `read_buffered_body` is the fast path when the server already holds it all."""
+    """The body as it arrives, chunk by chunk (the caller bounds the wait)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise RequestRejected(
-            f"Request body is {int(declared)} bytes; this gateway accepts at most {limit} bytes. Send a smaller "
-            "request (fewer or smaller images, shorter context).",
-            status=413, code="request_too_large",
-        )
+        raise _too_large(int(declared), limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -66,11 +79,7 @@ async def buffered_body(request: Request, limit: int) -> bytes | None:
         raise ClientDisconnect()
     body: bytes = message.get("body", b"")
     if len(body) > limit:
-        raise RequestRejected(
-            f"Request body is {len(body)} bytes; this gateway accepts at most {limit} bytes. Send a smaller "
-            "request (fewer or smaller images, shorter context).",
-            status=413, code="request_too_large",
-        )
+        raise _too_large(len(body), limit)
     return body
 
 
@@ -157,11 +166,7 @@ async def handle_generate(gw: Gateway, request: Request, api: str) -> Any:
     gw.telemetry.start(record, request.headers)
     try:
         client = gw.traffic.authenticate(request)  # no key, no body read, no pool
-        limit = gw.config.server.max_body_bytes
-        raw = await buffered_body(request, limit)
-        if raw is None:  # still arriving: bounded by the body deadline
-            async with gw.traffic.body_deadline():
-                raw = await read_body(request, limit)
+        raw = await receive_body(request, gw.config.server.max_body_bytes, gw.traffic.body_deadline)
         body = parse_json_object(raw)
         gw.check_model(body)
         gw.traffic.check_input(body, api)
@@ -223,8 +228,7 @@ async def tokenize(request: Request) -> Any:
     assert gw.session is not None
     try:
         gw.traffic.authenticate(request)  # /tokenize reaches a replica: same keys as generation
-        async with gw.traffic.body_deadline():  # a body trickled in (slowloris) gets a 408, not a task forever
-            raw = await read_body(request, gw.config.server.max_body_bytes)
+        raw = await receive_body(request, gw.config.server.max_body_bytes, gw.traffic.body_deadline)
         body = parse_json_object(raw)
         gw.check_model(body)
     except RequestRejected as exc:

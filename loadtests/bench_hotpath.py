@@ -2,14 +2,14 @@
 
     python -m loadtests.bench_hotpath [--repeats 7] [--budget-ms 40]
 
-End-to-end CPU figures (loadtests.bench_overhead) are too noisy on a small shared machine to see a step of a few
-µs move; this times each step alone with `timeit` (best of `--repeats`, each repeat about `--budget-ms` long) on the
+End-to-end CPU figures (loadtests.bench_overhead) are too noisy on a small shared machine to see a step of a few µs
+move; this times each step alone with `timeit` (best of `--repeats`, each repeat about `--budget-ms` long) on the
 inputs the overhead benchmark sends: a 12-word chat request with max_tokens 16, three pools (32K / 128K / 1M, one
 replica each), no API keys. The same request again and again is what that benchmark sends, so its text's count comes
 from the tokens cache after the first; the "unseen text" rows cycle through 50,000 different texts instead (what a
-new user message costs; earlier turns of a conversation are re-sent, so cached, with every new one). Async steps that never suspend on this path (`Gateway.choose_pool` without a recount,
-`TrafficControl.admit` with a free slot) are driven by hand, without an event loop.
-"""
+new user message costs; earlier turns of a conversation are re-sent, so cached, with every new one). Async steps
+that never suspend on this path (`Gateway.choose_pool` without a recount, `TrafficControl.admit` with a free slot)
+are driven by hand, without an event loop."""
 
 from __future__ import annotations
 

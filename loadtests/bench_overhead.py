@@ -200,46 +200,64 @@ def pct(values: Sequence[float], p: float) -> float | None:
     return float(np.percentile(np.asarray(values) * 1000, p)) if values else None
 
 
-def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict[str, Any], concurrency: int,
-                seconds: float, rounds: int, label: str, rate: float | None = None) -> dict[str, Any]:
-    """Direct and gateway segments alternated `rounds` times; percentiles over the pooled samples."""
-    segs: dict[str, list[Segment]] = {"direct": [], "gateway": []}
-    for urls in (direct_urls, [gw_url]):  # warm-up, discarded: connection pools, caches, first scrapes
+Targets = dict[str, tuple[Sequence[str], int | None]]
+
+
+def interleaved_targets(targets: Targets, body: dict[str, Any], concurrency: int, seconds: float, rounds: int,
+                        label: str, rate: float | None = None) -> dict[str, dict[str, Any]]:
+    """Segments on each target (name → (urls, pid of the proxy whose CPU is measured, or None)), the order
+    alternating round by round; per target, percentiles over the pooled samples and, with a pid, its CPU."""
+    segs: dict[str, list[Segment]] = {name: [] for name in targets}
+    for urls, _ in targets.values():  # warm-up, discarded: connection pools, caches, first scrapes
         run_segment(urls, body, concurrency, 1.0, None, f"{label} warm-up")
+    order = list(targets)
     for r in range(rounds):
-        for mode in (("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")):
-            urls = direct_urls if mode == "direct" else [gw_url]
-            segs[mode].append(run_segment(urls, body, concurrency, seconds, gw_pid if mode == "gateway" else None,
-                                          f"{label} {mode}", rate))
-    out: dict[str, Any] = {"concurrency": concurrency, "rounds": rounds, "seconds": seconds, "rate": rate}
-    for mode, ss in segs.items():
+        for name in (order if r % 2 == 0 else order[::-1]):
+            urls, pid = targets[name]
+            segs[name].append(run_segment(urls, body, concurrency, seconds, pid, f"{label} {name}", rate))
+    out: dict[str, dict[str, Any]] = {}
+    for name, ss in segs.items():
         lat = [x for s in ss for x in s.latencies]
         itl = [x for s in ss for x in s.itl]
         ok = sum(s.ok for s in ss)
         wall = sum(s.wall for s in ss)
+        events = sum(s.events for s in ss)
         errors: dict[str, int] = {}
         for s in ss:
             for k, v in s.errors.items():
                 errors[k] = errors.get(k, 0) + v
-        out[mode] = {"requests": ok, "rps": ok / wall, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
-                     "mean_ms": 1000 * statistics.mean(lat) if lat else None, "errors": errors,
-                     "events": sum(s.events for s in ss), "events_per_s": sum(s.events for s in ss) / wall,
-                     "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-                     "per_round_rps": [s.ok / s.wall for s in ss]}
-        if mode == "gateway":
+        t = out[name] = {"requests": ok, "rps": ok / wall, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
+                         "mean_ms": 1000 * statistics.mean(lat) if lat else None, "errors": errors,
+                         "events": events, "events_per_s": events / wall,
+                         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+                         "per_round_rps": [s.ok / s.wall for s in ss]}
+        if targets[name][1] is not None:
             cpu = sum(s.gw_cpu or 0.0 for s in ss)
-            out[mode]["gw_cpu_s"] = cpu
-            out[mode]["gw_cpu_share"] = cpu / wall  # of one core
-            out[mode]["gw_runqueue_wait_share"] = sum(s.gw_wait or 0.0 for s in ss) / wall
-            out[mode]["gw_cpu_ms_per_req"] = 1000 * cpu / ok if ok else None
-            out[mode]["req_per_cpu_s"] = ok / cpu if cpu else None
-            ev = out[mode]["events"]
-            out[mode]["gw_cpu_us_per_event"] = 1e6 * cpu / ev if ev else None
-            out[mode]["events_per_cpu_s"] = ev / cpu if cpu and ev else None
-    d, g = out["direct"], out["gateway"]
-    for key in ("p50_ms", "p99_ms", "itl_p50_ms", "itl_p99_ms"):
-        out[f"added_{key}"] = (g[key] - d[key]) if g[key] is not None and d[key] is not None else None
-    out["rps_ratio"] = g["rps"] / d["rps"] if d["rps"] else None
+            t["gw_cpu_s"] = cpu
+            t["gw_cpu_share"] = cpu / wall  # of one core
+            t["gw_runqueue_wait_share"] = sum(s.gw_wait or 0.0 for s in ss) / wall
+            t["gw_cpu_ms_per_req"] = 1000 * cpu / ok if ok else None
+            t["req_per_cpu_s"] = ok / cpu if cpu else None
+            t["gw_cpu_us_per_event"] = 1e6 * cpu / events if events else None
+            t["events_per_cpu_s"] = events / cpu if cpu and events else None
+    return out
+
+
+def _added(target: dict[str, Any], direct: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """`added_<key>` (target − direct) for each key, and the throughput ratio."""
+    out: dict[str, Any] = {f"added_{key}": target[key] - direct[key]
+                           if target[key] is not None and direct[key] is not None else None for key in keys}
+    out["rps_ratio"] = target["rps"] / direct["rps"] if direct["rps"] else None
+    return out
+
+
+def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict[str, Any], concurrency: int,
+                seconds: float, rounds: int, label: str, rate: float | None = None) -> dict[str, Any]:
+    """Direct and gateway segments alternated `rounds` times; percentiles over the pooled samples."""
+    res = interleaved_targets({"direct": (direct_urls, None), "gateway": ([gw_url], gw_pid)}, body, concurrency,
+                              seconds, rounds, label, rate)
+    out: dict[str, Any] = {"concurrency": concurrency, "rounds": rounds, "seconds": seconds, "rate": rate, **res}
+    out.update(_added(res["gateway"], res["direct"], ("p50_ms", "p99_ms", "itl_p50_ms", "itl_p99_ms")))
     return out
 
 
@@ -256,35 +274,16 @@ def reference_c32(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: di
             pin(started[name].pid, GW_CPU)
         except RuntimeError as exc:
             notes[name] = str(exc).splitlines()[0][:200]
-    targets: dict[str, tuple[list[str], int | None]] = {"direct": (list(direct_urls), None), "m3gate": ([gw_url], gw_pid)}
+    targets: Targets = {"direct": (direct_urls, None), "m3gate": ([gw_url], gw_pid)}
     targets.update({name: ([peer.url], peer.pid) for name, peer in started.items()})
-    segs: dict[str, list[Segment]] = {name: [] for name in targets}
     try:
-        for urls, _ in targets.values():
-            run_segment(urls, body, 32, 1.0, None, "reference warm-up")
-        order = list(targets)
-        for r in range(rounds):
-            for name in (order if r % 2 == 0 else order[::-1]):
-                urls, pid = targets[name]
-                segs[name].append(run_segment(urls, body, 32, seconds, pid, f"reference {name}"))
+        res = interleaved_targets(targets, body, 32, seconds, rounds, "reference")
     finally:
         for peer in started.values():
             peer.stop()
-    out: dict[str, Any] = {"notes": notes, "targets": {}}
-    for name, ss in segs.items():
-        lat = [x for s in ss for x in s.latencies]
-        ok = sum(s.ok for s in ss)
-        wall = sum(s.wall for s in ss)
-        cpu = sum(s.gw_cpu or 0.0 for s in ss) if name != "direct" else None
-        out["targets"][name] = {"requests": ok, "rps": ok / wall if wall else 0.0, "p50_ms": pct(lat, 50),
-                                "p99_ms": pct(lat, 99), "cpu_ms_per_req": 1000 * cpu / ok if cpu and ok else None,
-                                "cpu_share": cpu / wall if cpu and wall else None}
-    d = out["targets"]["direct"]
-    for t in out["targets"].values():
-        for key in ("p50_ms", "p99_ms"):
-            t[f"added_{key}"] = t[key] - d[key] if t[key] is not None and d[key] is not None else None
-        t["rps_ratio"] = t["rps"] / d["rps"] if d["rps"] else None
-    return out
+    for t in res.values():
+        t.update(_added(t, res["direct"], ("p50_ms", "p99_ms")))
+    return {"notes": notes, "targets": res}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -546,7 +545,7 @@ def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, fold
                 for name, t in r["targets"].items():
                     print(f"  reference c=32 {name:<14s} p50 {_f(t['p50_ms'])} ms (+{_f(t['added_p50_ms'])})  p99 "
                           f"{_f(t['p99_ms'])} ms (+{_f(t['added_p99_ms'])})  rps {t['rps']:.0f} (×{_f(t['rps_ratio'])})"
-                          f"  CPU {_f(t['cpu_ms_per_req'], '.3f')} ms/req", flush=True)
+                          f"  CPU {_f(t.get('gw_cpu_ms_per_req'), '.3f')} ms/req", flush=True)
                 for name, why in r["notes"].items():
                     print(f"  reference {name}: skipped ({why})", flush=True)
             if not skip_streams:
@@ -618,8 +617,9 @@ def checks(r: dict[str, Any], open_streams: int) -> list[dict[str, Any]]:
         if t:
             out.append({"name": f"added latency at c=32 through the {name} proxy, same run (informational)",
                         "value": f"p50 +{_f(t['added_p50_ms'])} ms, p99 +{_f(t['added_p99_ms'])} ms, "
-                                 f"{_f(t['cpu_ms_per_req'], '.3f')} ms CPU/req", "ok": True})
-    mine, rust = (ref.get("m3gate") or {}).get("cpu_ms_per_req"), (ref.get("sglang-router") or {}).get("cpu_ms_per_req")
+                                 f"{_f(t.get('gw_cpu_ms_per_req'), '.3f')} ms CPU/req", "ok": True})
+    mine = (ref.get("m3gate") or {}).get("gw_cpu_ms_per_req")
+    rust = (ref.get("sglang-router") or {}).get("gw_cpu_ms_per_req")
     if mine and rust:
         out.append({"name": "m3gate CPU per request ≤ 2× the Rust SGLang router's (reference §6 target)",
                     "value": f"{mine / rust:.2f}× ({mine:.3f} vs {rust:.3f} ms)", "ok": mine <= 2 * rust})
@@ -696,7 +696,8 @@ def summary_text(r: dict[str, Any]) -> str:
                   "|---|---|---|---|---|"]
         for name, t in ref["targets"].items():
             lines.append(f"| {name} | {t['rps']:.0f} (×{_f(t['rps_ratio'])}) | {_f(t['p50_ms'])} / {_f(t['p99_ms'])} | "
-                         f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | {_f(t['cpu_ms_per_req'], '.3f')} |")
+                         f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | "
+                         f"{_f(t.get('gw_cpu_ms_per_req'), '.3f')} |")
         for name, why in ref["notes"].items():
             lines.append(f"\n{name}: skipped ({why})")
     c32 = (r.get("nonstream_c32") or {}).get("gateway") or {}

@@ -6,14 +6,14 @@ Four gateway processes run side by side in front of one `--instant` simulated re
 gateway's own work dominates): telemetry off (metrics: false, tracing off), metrics only, and metrics + tracing with
 10% and with every request sampled, exported to a discarding exporter (spans are built and go through the SDK's
 batch processor, then are dropped: the cost of tracing without the network). Each round sends the same streamed chat
-requests to each gateway in turn (short rounds, the order alternating, so that neighbouring runs meet the same machine
-conditions), and reads the gateway process's CPU time (utime + stime, all threads) from /proc/PID/stat before and
-after. Reported: the median CPU per request of each mode and the median of the per-round ratios to "off" (target:
-metrics + tracing at most 5% more CPU). Because a shared 2-core machine makes process CPU noisy (±20% between
-rounds), the hooks are also timed alone in this process on the same kind of request (start, inject, the relay's
-per-chunk inter-token latency hook, finish; the spans built and exported in this thread, flushed every 64 requests so that none is dropped; best of 3 interleaved runs), and what
-they add over "off" is shown as a share of the "off" gateway's CPU per request, side by side with the measured ratio.
-"""
+requests to each gateway in turn (short rounds, the order alternating, so that neighbouring runs meet the same
+machine conditions), and reads the gateway process's CPU time (utime + stime, all threads) from /proc/PID/stat
+before and after. Reported: the median CPU per request of each mode and the median of the per-round ratios to "off"
+(target: metrics + tracing at most 5% more CPU). Because a shared 2-core machine makes process CPU noisy (±20%
+between rounds), the hooks are also timed alone in this process on the same kind of request (start, inject, the
+relay's per-chunk inter-token latency hook, finish; the spans built and exported in this thread, flushed every 64
+requests so that none is dropped; best of 3 interleaved runs), and what they add over "off" is shown as a share of
+the "off" gateway's CPU per request, side by side with the measured ratio."""
 
 from __future__ import annotations
 

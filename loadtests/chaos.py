@@ -44,6 +44,7 @@ import aiohttp
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
+from loadtests.harness import run_dir
 from loadtests.private_redis import PrivateRedis
 from pools.replicas import EJECT_MAX_S
 from pools.sim.launcher import SimProcess, start_sim
@@ -51,7 +52,6 @@ from pools.sim.launcher import SimProcess, start_sim
 MODEL = "MiniMaxAI/MiniMax-M3"
 POOL = "interactive"
 CLIENT_KEY = "chaos-client-key-0123456789abcdef"
-RESULTS_DIR = Path(__file__).parent / "results"
 
 SCENARIOS = ("kill", "hang", "errors", "drop", "unhealthy", "redis", "reload")
 TITLES = {
@@ -582,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for failure in r.failures if not r.passed else []:
             print(f"- {r.name} FAILURE: {failure}")
     print(f"\n{len(results)} scenarios in {time.monotonic() - started:.0f} s")
-    out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-chaos"
+    out = args.out or run_dir("chaos")
     out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps({"settings": asdict(settings), "command": " ".join(sys.argv),
                                                 "results": [asdict(r) for r in results]}, indent=2))

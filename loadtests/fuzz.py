@@ -42,14 +42,14 @@ from typing import Any
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
-from loadtests.chaos import PrivateRedis
+from loadtests.harness import run_dir
+from loadtests.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 CLIENT_KEY = "fuzz-client-key-0123456789abcdef"
 ADMIN_KEY = "fuzz-admin-key-0123456789abcdef"
 OPENAPI = Path(__file__).resolve().parent.parent / "deploy" / "openapi.yaml"
-RESULTS_DIR = Path(__file__).parent / "results"
 AUTH = {"authorization": f"Bearer {CLIENT_KEY}"}
 
 
@@ -543,6 +543,25 @@ def _raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
         return _read_all(s, timeout)
 
 
+def _trickle(sock: socket.socket, piece: bytes, give_up_s: float) -> tuple[bytes, float]:
+    """Send `piece` every 0.25 s (a slowloris client) until the server answers or closes, or `give_up_s` passes;
+    returns (what it answered, seconds taken)."""
+    t0 = time.monotonic()
+    answered = b""
+    sock.settimeout(0.25)
+    while time.monotonic() - t0 < give_up_s:
+        try:
+            sock.sendall(piece)
+            answered = sock.recv(4096)
+            if answered:
+                break
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+    return answered, time.monotonic() - t0
+
+
 def _read_all(s: socket.socket, timeout: float) -> bytes:
     s.settimeout(timeout)
     out = b""
@@ -634,39 +653,13 @@ def attacks(target: Target, body_timeout_s: float, idle_connections: int) -> lis
     for path in ("/v1/chat/completions", "/tokenize"):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             s.sendall(head.replace("/v1/chat/completions", path).encode() + b"Content-Length: 1000\r\n\r\n")
-            t0 = time.monotonic()
-            answered = b""
-            s.settimeout(0.25)
-            while time.monotonic() - t0 < body_timeout_s + 5:
-                try:
-                    s.sendall(b" ")
-                    answered = s.recv(4096)
-                    if answered:
-                        break
-                except TimeoutError:
-                    continue
-                except OSError:
-                    break
-            elapsed = time.monotonic() - t0
+            answered, elapsed = _trickle(s, b" ", body_timeout_s + 5)
         record(f"slowloris body {path}", _status(answered) == 408 and elapsed < body_timeout_s + 2,
                f"→ {_status(answered)} after {elapsed:.1f} s")
     # slowloris headers: a header line every 0.25 s, never finished → 408 and closed at the head deadline
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-        t0 = time.monotonic()
-        answered = b""
-        s.settimeout(0.25)
-        while time.monotonic() - t0 < body_timeout_s + 5:
-            try:
-                s.sendall(b"x-slow: 1\r\n")
-                answered = s.recv(4096)
-                if answered:
-                    break
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-        elapsed = time.monotonic() - t0
+        answered, elapsed = _trickle(s, b"x-slow: 1\r\n", body_timeout_s + 5)
     record("slowloris headers", _status(answered) == 408 and elapsed < body_timeout_s + 2,
            f"→ {_status(answered)} after {elapsed:.1f} s")
     # many connections that never send: the gateway keeps serving meanwhile, then closes them at the deadline
@@ -870,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for example in report.examples:
         print(f"- {example}")
     print(f"\n{report.cases:,} cases in {report.seconds:.0f} s: {'PASS' if report.passed else 'FAIL'}")
-    out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-fuzz"
+    out = args.out or run_dir("fuzz")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fuzz.json").write_text(json.dumps({"command": " ".join(sys.argv), **asdict(report)}, indent=2))
     (out / "fuzz.md").write_text(md + "\n")

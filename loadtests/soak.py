@@ -39,9 +39,9 @@ from typing import Any
 import aiohttp
 import httpx
 
+from loadtests.harness import run_dir
 from loadtests.chaos import CLIENT_KEY, MODEL, POOL, Cluster, classify_stream
 
-RESULTS_DIR = Path(__file__).parent / "results"
 RSS_GROWTH_LIMIT = 0.05
 FD_SLACK = 16  # idle keep-alive connections to replicas and Redis come and go
 
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"- {'pass' if ok else 'FAIL'}: {name}")
     for problem in result.problems[:20]:
         print(f"- problem: {problem}")
-    out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-soak"
+    out = args.out or run_dir("soak")
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps({"command": " ".join(sys.argv), **asdict(result)}, indent=2))
     (out / "soak.md").write_text(md + "\n")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.chaos import RESULTS_DIR, SCENARIOS, ScenarioResult, Settings, run_all, table
+from loadtests.chaos import SCENARIOS, ScenarioResult, Settings, run_all, table
+from loadtests.harness import RESULTS_DIR
 
 pytestmark = [
     pytest.mark.chaos,

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from loadtests.fuzz import RESULTS_DIR, RSS_TOLERANCE, Report, run_fuzz, summary
+from loadtests.fuzz import RSS_TOLERANCE, Report, run_fuzz, summary
+from loadtests.harness import RESULTS_DIR
 
 pytestmark = [
     pytest.mark.fuzz,

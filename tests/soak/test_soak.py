@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from loadtests.soak import RESULTS_DIR, SoakResult, run_soak, summary
+from loadtests.harness import RESULTS_DIR
+from loadtests.soak import SoakResult, run_soak, summary
 
 pytestmark = [
     pytest.mark.soak,
