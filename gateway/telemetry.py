@@ -8,8 +8,10 @@ Spans are not kept open while a request runs. `start` and `inject` only choose i
 the trace under the gateway's attempt span. `finish` reads the record into a snapshot of plain values and queues it
 (`SpanBatcher.defer`, ~2 µs on the event loop); the export worker builds the whole span tree from it, with explicit
 start and end times taken from the record's timestamps, right before exporting it. No context is attached, no span is
-live, no lock is taken: a fully sampled streamed request costs ~12 µs of CPU in all (4 spans; ~4 µs of it on the
+live, no lock is taken: a fully sampled streamed request costs ~12 µs of CPU to trace (4 spans; ~4 µs of it on the
 event loop), where the SDK's live-span API costs ~120 µs; a request that dies half-way leaves no open span behind.
+Exporting is dearer than building: the SDK's OTLP protobuf encoding of those 4 spans takes ~100 µs, so sample
+(deploy/OBSERVABILITY.md, "Cost"). An unsampled request only gets ids for its traceparent (flags 00).
 Stages that need no bar of their own are attributes, rare ones are events. With tracing off the hooks do nothing but
 the metrics.
 
@@ -310,6 +312,7 @@ class _Event(Event):
 
 
 _NO_ATTRIBUTES: dict[str, Any] = {}
+_NO_ATTEMPTS: list[Any] = []  # an unsampled request's, never appended to
 _new_tuple = tuple.__new__
 
 
@@ -354,7 +357,8 @@ class TraceIds:
         self.sampled = sampled
         self.trace_state = trace_state
         self.offset_ns = offset_ns  # wall-clock ns = offset_ns + monotonic s * 1e9
-        self.attempts: list[tuple[int, float, str, str]] = []  # (span id, start, pool, endpoint)
+        self.attempts: list[tuple[int, float, str, str]] = [] if sampled else _NO_ATTEMPTS  # (span id, start, pool,
+        # endpoint) of each upstream attempt of a sampled request
         self._hex = ""
 
     @property
@@ -365,9 +369,6 @@ class TraceIds:
 
     def wall_ns(self, t: float) -> int:
         return self.offset_ns + int(t * 1e9)
-
-    def traceparent(self, span_id: int) -> str:
-        return f"00-{self.trace_id_hex}-{span_id:016x}-{'01' if self.sampled else '00'}"
 
 
 class Tracing:
@@ -389,7 +390,7 @@ class Tracing:
         self._model = model
         self._clock = clock
         self._wall_ns = wall_ns
-        self.in_flight = 0  # requests begun here and not finished
+        self.in_flight = 0  # sampled requests begun here and not finished
         self.retiring = False
         self.closed = False
         processor.build = self.build_spans
@@ -409,7 +410,6 @@ class Tracing:
 
     # hooks -----------------------------------------------------------------------------------------------------
     def begin(self, record: RequestRecord, headers: Mapping[str, str]) -> TraceIds:
-        self.in_flight += 1
         parent: SpanContext | None = None
         parent_context = None
         if "traceparent" in headers:
@@ -428,13 +428,19 @@ class Tracing:
             result = self._sampler.should_sample(parent_context, trace_id, record.api, SpanKind.SERVER)
             sampled = result.decision.is_sampled()
             state = result.trace_state or (parent.trace_state if parent is not None else _EMPTY_STATE)
-        offset = self._wall_ns() - int(record.t_arrival * 1e9) if sampled else 0
-        return TraceIds(self, trace_id, self._new_span_id(), parent, sampled, state, offset)
+        if not sampled:  # nothing to export: only the ids its traceparent passes on
+            return TraceIds(self, trace_id, 0, parent, False, state, 0)
+        self.in_flight += 1
+        offset = self._wall_ns() - int(record.t_arrival * 1e9)
+        return TraceIds(self, trace_id, self._new_span_id(), parent, True, state, offset)
 
     def attempt(self, record: RequestRecord, ids: TraceIds, headers: MutableMapping[str, str]) -> None:
         span_id = self._new_span_id()
-        ids.attempts.append((span_id, self._clock(), record.pool, record.replica))
-        headers["traceparent"] = ids.traceparent(span_id)
+        if ids.sampled:
+            ids.attempts.append((span_id, self._clock(), record.pool, record.replica))
+            headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-01"
+        else:
+            headers["traceparent"] = f"00-{ids.trace_id:032x}-{span_id:016x}-00"
         state = ids.trace_state
         if state is not _EMPTY_STATE and state:
             headers["tracestate"] = state.to_header()
@@ -645,7 +651,7 @@ class Telemetry:
         if ids is not None:
             ids.owner.attempt(record, ids, headers)
         if record.stream and self.metrics is not None:
-            record.extra["itl"] = self.metrics.requests.itl_observer(record)
+            record.extra["itl"] = self.metrics.requests.itl_series(record)
 
     def finish(self, record: RequestRecord) -> None:
         """Once, when the request is over however it ended: histograms, then the span tree (if sampled)."""
@@ -659,14 +665,15 @@ class Telemetry:
                 if metrics is not None:
                     metrics.finished(record, now)
                 return
+            if not ids.sampled:
+                if metrics is not None:
+                    metrics.finished(record, now)
+                return
+            if metrics is not None:
+                metrics.finished(record, now, ids.trace_id_hex)
             owner = ids.owner
             owner.in_flight -= 1
-            if ids.sampled:
-                if metrics is not None:
-                    metrics.finished(record, now, ids.trace_id_hex)
-                owner.end(record, ids, now)
-            elif metrics is not None:
-                metrics.finished(record, now)
+            owner.end(record, ids, now)
             if owner.retiring and owner.in_flight <= 0:
                 self._close(owner)
         except Exception:  # noqa: BLE001 - telemetry must never fail a request

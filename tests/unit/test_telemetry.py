@@ -343,7 +343,7 @@ def test_client_gone_mid_stream_is_a_499_without_ttft() -> None:
     assert sample(telemetry, "m3gate_requests_total", **labels, status="499") == 1
     assert sample(telemetry, "m3gate_request_errors_total", api="chat", pool="interactive", **{"class": "interactive"},
                   type="client_disconnected") == 1
-    assert sample(telemetry, "m3gate_time_to_first_token_seconds_count", **labels) is None
+    assert not sample(telemetry, "m3gate_time_to_first_token_seconds_count", **labels)  # absent or 0: no first token
 
 
 def test_traffic_class_labels_when_set() -> None:
@@ -476,3 +476,59 @@ def test_ttft_buckets_carry_the_trace_id_as_an_exemplar_for_prometheus() -> None
     assert f'trace_id="{TRACE_ID}"' in exemplars[0]
     text, _ = telemetry.metrics.render("text/plain")
     assert b"# {" not in text  # the classic text format has no exemplars
+
+
+def test_spans_reach_an_otlp_http_receiver_and_unsampled_requests_send_none() -> None:
+    """The production path end to end: SpanBatcher's worker, the SDK's OTLP/HTTP exporter, protobuf over loopback to
+    a receiver that decodes what a collector would; unsampled requests still pass their decision on (flags 00)."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append(ExportTraceServiceRequest.FromString(body))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        gw, telemetry = make({"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": endpoint},
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "60000"})
+        sampled, _ = streamed_record(gw, telemetry, CALLER)
+        gw_off, unsampled_telemetry = make({"enabled": True, "exporter": "otlp", "protocol": "http/protobuf",
+                                            "endpoint": endpoint, "sample_ratio": 0.0})
+        unsampled, (upstream,) = streamed_record(gw_off, unsampled_telemetry, {})
+        assert telemetry.tracing is not None and unsampled_telemetry.tracing is not None
+        telemetry.tracing.close()  # shutdown flushes the queue through the exporter
+        unsampled_telemetry.tracing.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    spans = [span for request in received for rs in request.resource_spans for ss in rs.scope_spans
+             for span in ss.spans]
+    assert sorted(span.name for span in spans) == sorted(["chat " + MODEL, "POST /v1/chat/completions",
+                                                          "m3gate.prefill", "m3gate.decode"])
+    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
+    resource = {kv.key: kv.value.string_value for kv in received[0].resource_spans[0].resource.attributes}
+    assert resource["service.name"] == "m3gate"
+    server_span = next(span for span in spans if span.name == "chat " + MODEL)
+    attributes = {kv.key: kv.value for kv in server_span.attributes}
+    assert attributes["m3gate.pool"].string_value == "interactive"
+    assert attributes["gen_ai.usage.output_tokens"].int_value == 51
+    # the unsampled request exported nothing, yet told the replica not to sample either
+    trace_id = f"{unsampled.trace.trace_id:032x}"
+    assert upstream["traceparent"].startswith(f"00-{trace_id}-") and upstream["traceparent"].endswith("-00")
+    assert unsampled_telemetry.tracing.in_flight == 0

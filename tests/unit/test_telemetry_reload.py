@@ -211,7 +211,7 @@ def test_series_of_removed_pools_and_replicas_leave_the_exposition() -> None:
     telemetry = Telemetry(gw, env={})
     for pool, replica in (("interactive", A), ("interactive", B), ("long", LONG)):
         record = begin(gw, telemetry, pool, replica)
-        record.extra["itl"](0.02)
+        record.extra["itl"].observe(0.02)
         end(gw, telemetry, record)
     rejected = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
     telemetry.start(rejected, {})
@@ -226,6 +226,14 @@ def test_series_of_removed_pools_and_replicas_leave_the_exposition() -> None:
     assert {("pool", "interactive"), ("endpoint", A), ("pool", "none")} <= after  # the rest stays
     assert sample(telemetry, "m3gate_upstream_requests_total", pool="interactive", endpoint=A, status="200") == 1
 
+    # a pool that comes back starts its series afresh, and requests on it are counted again
+    reload(gw, telemetry, config())
+    end(gw, telemetry, begin(gw, telemetry, "long", LONG))
+    long_labels = {"api": "chat", "pool": "long", "class": "long", "thinking_mode": "disabled"}
+    assert sample(telemetry, "m3gate_request_duration_seconds_count", **long_labels) == 1
+    assert sample(telemetry, "m3gate_time_to_first_token_seconds_count", **long_labels) == 1
+    assert sample(telemetry, "m3gate_upstream_requests_total", pool="long", endpoint=LONG, status="200") == 1
+
     # DNS discovery changes replicas without a reload: the next scrape drops the lost one
     gw.pools["interactive"].replicas.pop(A)
     assert ("endpoint", A) not in series_labels(telemetry)
@@ -237,9 +245,9 @@ def test_inter_token_latency_is_fed_per_chunk_with_the_tpot_labels() -> None:
     gw = StubGateway(config())
     telemetry = Telemetry(gw, env={})
     record = begin(gw, telemetry)
-    observe = record.extra["itl"]
+    itl = record.extra["itl"]
     for gap in (0.004, 0.012, 0.012, 0.3):
-        observe(gap)
+        itl.observe(gap)
     end(gw, telemetry, record)
     labels = {"pool": "interactive", "class": "interactive", "thinking_mode": "disabled"}
     assert sample(telemetry, "m3gate_inter_token_latency_seconds_count", **labels) == 4
@@ -248,7 +256,7 @@ def test_inter_token_latency_is_fed_per_chunk_with_the_tpot_labels() -> None:
     assert sample(telemetry, "m3gate_inter_token_latency_seconds_bucket", **labels, le="0.025") == 3
     assert sample(telemetry, "m3gate_inter_token_latency_seconds_bucket", **labels, le="0.3") == 4
     assert sample(telemetry, "m3gate_time_per_output_token_seconds_count", **labels) == 1
-    assert begin(gw, telemetry).extra["itl"] is observe  # one observer per series, shared by its streams
+    assert begin(gw, telemetry).extra["itl"].counts is itl.counts  # one series, shared by its streams
     plain = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
     telemetry.inject(plain, {})
     assert "itl" not in plain.extra  # only streams have inter-token gaps
