@@ -324,7 +324,7 @@ def _context(trace_id: int, span_id: int, state: TraceState) -> SpanContext:
 def _ratio_bound(sampler: Any) -> int | None:
     """The sampler as an integer bound on the trace id's low 64 bits, when it is the parent-based trace-id ratio (or
     always-on) sampler with its default delegates: then `begin` decides without calling it. None: call it."""
-    if type(sampler) is not ParentBased:
+    if not isinstance(sampler, ParentBased):  # the class itself, or OTEL_TRACES_SAMPLER's parentbased_* subclasses
         return None
     delegates = (getattr(sampler, "_remote_parent_sampled", None), getattr(sampler, "_remote_parent_not_sampled", None))
     if delegates != (ALWAYS_ON, ALWAYS_OFF):
@@ -406,7 +406,13 @@ class Tracing:
             processor = SyncSpans(span_exporter)
         else:
             processor = SpanBatcher(build_exporter(cfg, env), env)  # exports from its own thread
-        return cls(build_provider(cfg, env, processor), processor, model, clock, time.time_ns)
+        tracing = cls(build_provider(cfg, env, processor), processor, model, clock, time.time_ns)
+        if (tracing._bound == 1 << 64 and isinstance(processor, SpanBatcher)
+                and not isinstance(processor.exporter, DiscardingSpanExporter)):
+            log.warning("tracing samples every request: exporting a streamed request's spans costs ~125 µs of CPU "
+                        "(~30% of the gateway's own per request); set telemetry.tracing.sample_ratio (0.01 keeps "
+                        "the total telemetry cost under 5%) or OTEL_TRACES_SAMPLER_ARG")
+        return tracing
 
     # hooks -----------------------------------------------------------------------------------------------------
     def begin(self, record: RequestRecord, headers: Mapping[str, str]) -> TraceIds:

@@ -532,3 +532,32 @@ def test_spans_reach_an_otlp_http_receiver_and_unsampled_requests_send_none() ->
     trace_id = f"{unsampled.trace.trace_id:032x}"
     assert upstream["traceparent"].startswith(f"00-{trace_id}-") and upstream["traceparent"].endswith("-00")
     assert unsampled_telemetry.tracing.in_flight == 0
+
+
+@pytest.mark.parametrize(("ratio", "warned"), [(None, True), (1.0, True), (0.01, False)])
+def test_sampling_every_request_for_export_is_warned_about(ratio: float | None, warned: bool,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from gateway.telemetry import Tracing
+
+    cfg = TracingConfig(enabled=True, exporter="otlp", protocol="http/protobuf", endpoint="http://127.0.0.1:9",
+                        sample_ratio=ratio)
+    with caplog.at_level("WARNING", logger="m3gate.telemetry"):
+        tracing = Tracing.build(cfg, {}, lambda: MODEL, Clock())
+    assert tracing is not None
+    tracing.close()
+    assert any("samples every request" in r.getMessage() for r in caplog.records) is warned
+
+
+@pytest.mark.parametrize(("arg", "sampled"), [("0", False), ("1", True)])
+def test_otel_traces_sampler_variables_decide_sampling_on_the_fast_path(arg: str, sampled: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    exporter = InMemorySpanExporter()
+    gw, telemetry = make(exporter=exporter)
+    assert telemetry.tracing is not None and telemetry.tracing._bound is not None  # no sampler call per request
+    record, (upstream,) = streamed_record(gw, telemetry, {})
+    assert len(exporter.get_finished_spans()) == (4 if sampled else 0)
+    assert upstream["traceparent"].endswith("-01" if sampled else "-00")
+    record, _ = streamed_record(gw, telemetry, CALLER)  # a sampled caller is followed whatever the ratio
+    assert len(exporter.get_finished_spans()) == (8 if sampled else 4)
