@@ -109,9 +109,13 @@ class BucketSeries(NamedTuple):
     counts: list[float]
     bounds: tuple[float, ...]
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1.0
-        self.counts[-1] += value
+    def observe(self, value: float) -> int:
+        """Count one value; returns its bucket's index (where an exemplar goes)."""
+        counts = self.counts
+        bucket = bisect_left(self.bounds, value)
+        counts[bucket] += 1.0
+        counts[-1] += value
+        return bucket
 
 
 class HistogramTable:
@@ -145,14 +149,11 @@ class HistogramTable:
         return series
 
     def observe(self, key: tuple[str, ...], value: float) -> None:
-        series = self.series.get(key)
-        if series is None:
-            series = self.counts(key)
-        series[bisect_left(self.bounds, value)] += 1.0
-        series[-1] += value
+        self.bucket_series(key).observe(value)
 
     def bucket_series(self, key: tuple[str, ...]) -> BucketSeries:
-        """One series for a hot loop that inlines its observations (the relay's per-chunk inter-token latency)."""
+        """One series, to observe into again and again without looking it up (a hot loop may also inline the
+        observation: the relay's per-chunk inter-token latency)."""
         return BucketSeries(self.counts(key), self.bounds)
 
     def remove(self, key: tuple[str, ...]) -> None:
@@ -305,8 +306,9 @@ class RequestMetrics:
         pool, klass, mode = req[1], req[2], req[3]
         by_class, by_mode = (pool, klass), (pool, klass, mode)
         series = self._series[req] = _RequestSeries(
-            self.e2e.counts(req), self.ttft.counts(req), self.queue.counts(by_class), self.prefill.counts(by_class),
-            self.decode.counts(by_class), self.tpot.counts(by_mode), self.overhead.counts(req[:1]))
+            self.e2e.bucket_series(req), self.ttft.bucket_series(req), self.queue.bucket_series(by_class),
+            self.prefill.bucket_series(by_class), self.decode.bucket_series(by_class),
+            self.tpot.bucket_series(by_mode), self.overhead.bucket_series(req[:1]))
         return series
 
     def forget_series(self) -> None:
@@ -315,7 +317,7 @@ class RequestMetrics:
 
     def observe(self, record: RequestRecord, now: float, exemplar: dict[str, str] | None = None) -> None:
         """Feed one finished request: a few dict updates and up to seven histogram observations (~3 µs; the
-        histogram lists of each kind of request are looked up once, `_series_of`)."""
+        histogram series of each kind of request are looked up once, `_series_of`)."""
         api = record.api
         pool = record.pool or record.first_pool or NONE  # a 503 no_healthy_replica still belongs to its pool
         klass = record.traffic_class or pool
@@ -335,19 +337,10 @@ class RequestMetrics:
         by_class = (pool, klass)
         self.upstream.inc((pool, record.replica, status))
         self.routing.inc((pool, routing_reason(record)))
-        value = (record.t_last_byte or now) - record.t_arrival
-        counts = series.e2e
-        counts[bisect_left(STAGE_BUCKETS, value)] += 1.0
-        counts[-1] += value
-        value = max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0
-        counts = series.queue
-        counts[bisect_left(STAGE_BUCKETS, value)] += 1.0
-        counts[-1] += value
+        series.e2e.observe((record.t_last_byte or now) - record.t_arrival)
+        series.queue.observe(max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0)
         if not record.retried:  # a retried request's t_sent is its last attempt's
-            value = gateway_overhead_s(record, record.t_sent)
-            counts = series.overhead
-            counts[bisect_left(OVERHEAD_BUCKETS, value)] += 1.0
-            counts[-1] += value
+            series.overhead.observe(gateway_overhead_s(record, record.t_sent))
         self.estimated_tokens.inc(by_class, record.prompt_tokens_est)
         if record.matched_blocks:
             runtime = self._gateway.pools.get(pool)
@@ -365,40 +358,28 @@ class RequestMetrics:
             if cached:
                 self.cached_tokens.inc(by_class, float(cached))
         if record.stream and record.status == 200 and record.t_first_byte and not record.client_disconnected:
-            value = record.t_first_byte - record.t_arrival
-            bucket = bisect_left(TTFT_BUCKETS, value)
-            counts = series.ttft
-            counts[bucket] += 1.0
-            counts[-1] += value
+            ttft = record.t_first_byte - record.t_arrival
+            bucket = series.ttft.observe(ttft)
             if exemplar is not None:  # the trace id, kept as the bucket's exemplar (OpenMetrics)
-                self.ttft.exemplars.setdefault(req, {})[bucket] = (exemplar, value)
-            value = record.t_first_byte - record.t_sent
-            counts = series.prefill
-            counts[bisect_left(STAGE_BUCKETS, value)] += 1.0
-            counts[-1] += value
+                self.ttft.exemplars.setdefault(req, {})[bucket] = (exemplar, ttft)
+            series.prefill.observe(record.t_first_byte - record.t_sent)
             if record.error is None and record.t_last_byte:
                 decode = record.t_last_byte - record.t_first_byte
-                counts = series.decode
-                counts[bisect_left(STAGE_BUCKETS, decode)] += 1.0
-                counts[-1] += decode
+                series.decode.observe(decode)
                 if completion > 1:
-                    value = decode / (completion - 1)
-                    counts = series.tpot
-                    counts[bisect_left(TPOT_BUCKETS, value)] += 1.0
-                    counts[-1] += value
+                    series.tpot.observe(decode / (completion - 1))
 
 
 class _RequestSeries(NamedTuple):
-    """The live bucket-count lists (HistogramTable.counts) one kind of routed request writes; bounds are the module's
-    *_BUCKETS (HistogramTable keeps them as floats, the same values)."""
+    """The histogram series one kind of routed request writes, looked up once (`RequestMetrics._series_of`)."""
 
-    e2e: list[float]
-    ttft: list[float]
-    queue: list[float]
-    prefill: list[float]
-    decode: list[float]
-    tpot: list[float]
-    overhead: list[float]
+    e2e: BucketSeries
+    ttft: BucketSeries
+    queue: BucketSeries
+    prefill: BucketSeries
+    decode: BucketSeries
+    tpot: BucketSeries
+    overhead: BucketSeries
 
 
 class SeriesPruner:

@@ -312,7 +312,6 @@ class _Event(Event):
 
 
 _NO_ATTRIBUTES: dict[str, Any] = {}
-_NO_ATTEMPTS: list[Any] = []  # an unsampled request's, never appended to
 _new_tuple = tuple.__new__
 
 
@@ -357,8 +356,7 @@ class TraceIds:
         self.sampled = sampled
         self.trace_state = trace_state
         self.offset_ns = offset_ns  # wall-clock ns = offset_ns + monotonic s * 1e9
-        self.attempts: list[tuple[int, float, str, str]] = [] if sampled else _NO_ATTEMPTS  # (span id, start, pool,
-        # endpoint) of each upstream attempt of a sampled request
+        self.attempts: list[tuple[int, float, str, str]] = []  # (span id, start, pool, endpoint), if sampled
         self._hex = ""
 
     @property
@@ -444,9 +442,7 @@ class Tracing:
         span_id = self._new_span_id()
         if ids.sampled:
             ids.attempts.append((span_id, self._clock(), record.pool, record.replica))
-            headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-01"
-        else:
-            headers["traceparent"] = f"00-{ids.trace_id:032x}-{span_id:016x}-00"
+        headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-{'01' if ids.sampled else '00'}"
         state = ids.trace_state
         if state is not _EMPTY_STATE and state:
             headers["tracestate"] = state.to_header()
@@ -667,16 +663,11 @@ class Telemetry:
         try:
             now = self._clock()
             metrics = self.metrics
-            if ids is None:
-                if metrics is not None:
-                    metrics.finished(record, now)
-                return
-            if not ids.sampled:
-                if metrics is not None:
-                    metrics.finished(record, now)
-                return
+            sampled = ids is not None and ids.sampled
             if metrics is not None:
-                metrics.finished(record, now, ids.trace_id_hex)
+                metrics.finished(record, now, ids.trace_id_hex if sampled else None)
+            if not sampled:
+                return
             owner = ids.owner
             owner.in_flight -= 1
             owner.end(record, ids, now)

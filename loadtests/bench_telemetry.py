@@ -83,9 +83,10 @@ def modes(sink: str) -> dict[str, dict[str, Any]]:
 class OtlpSink:
     """A local OTLP/HTTP endpoint (in this process, on the load core): reads each export request whole and answers
     200, what a collector does before its own work. The gateway pays for what it would pay with a real collector:
-    encoding the spans to protobuf and the HTTP request."""
+    encoding the spans to protobuf and the HTTP request. With `keep`, the request bodies are kept (tests decode them
+    as ExportTraceServiceRequest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         sink = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -93,7 +94,9 @@ class OtlpSink:
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 size = int(self.headers.get("content-length") or 0)
-                self.rfile.read(size)
+                body = self.rfile.read(size)
+                if keep:
+                    sink.bodies.append(body)
                 sink.exports += 1
                 sink.bytes += size
                 self.send_response(200)
@@ -106,6 +109,7 @@ class OtlpSink:
 
         self.exports = 0
         self.bytes = 0
+        self.bodies: list[bytes] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-sink", daemon=True)

@@ -94,43 +94,39 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def thread_cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU time of a process's main thread and of its other live threads, in seconds, to the nanosecond
-    (/proc/PID/task/*/schedstat, field 1; /proc/PID/stat counts in 10 ms ticks). Threads that have exited are not
-    counted: use it for processes whose threads live as long as they do."""
-    main = others = 0
+def _schedstat(pid: int) -> list[tuple[int, list[int]]]:
+    """(thread id, /proc/PID/task/TID/schedstat's fields) of each live thread: ns on a CPU, ns waiting for one, ..."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0, 0.0
+        return []
+    out = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except (OSError, IndexError, ValueError):
+                out.append((int(tid), [int(field) for field in f.read().split()]))
+        except (OSError, ValueError):
             continue
-        if int(tid) == pid:
-            main += ns
+    return out
+
+
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time of a process's main thread and of its other live threads, in seconds, to the nanosecond
+    (schedstat; /proc/PID/stat counts in 10 ms ticks). Threads that have exited are not counted: use it for
+    processes whose threads live as long as they do."""
+    main = others = 0
+    for tid, fields in _schedstat(pid):
+        if tid == pid:
+            main += fields[0]
         else:
-            others += ns
+            others += fields[0]
     return main / 1e9, others / 1e9
 
 
 def sched_wait_seconds(pid: int) -> float:
-    """Time the process's threads spent runnable but waiting for a CPU (/proc/PID/task/*/schedstat, field 2):
-    how much a shared core held it back."""
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
+    """Time the process's threads spent runnable but waiting for a CPU (schedstat's second field): how much a shared
+    core held it back."""
+    return sum(fields[1] for _, fields in _schedstat(pid) if len(fields) > 1) / 1e9
 
 
 def pin(pid: int, cpus: set[int]) -> bool:

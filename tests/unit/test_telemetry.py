@@ -481,42 +481,23 @@ def test_ttft_buckets_carry_the_trace_id_as_an_exemplar_for_prometheus() -> None
 def test_spans_reach_an_otlp_http_receiver_and_unsampled_requests_send_none() -> None:
     """The production path end to end: SpanBatcher's worker, the SDK's OTLP/HTTP exporter, protobuf over loopback to
     a receiver that decodes what a collector would; unsampled requests still pass their decision on (flags 00)."""
-    import http.server
-    import threading
-
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    received: list[ExportTraceServiceRequest] = []
+    from loadtests.bench_telemetry import OtlpSink
 
-    class Receiver(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = self.rfile.read(int(self.headers["content-length"]))
-            received.append(ExportTraceServiceRequest.FromString(body))
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            return None
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    sink = OtlpSink(keep=True)
+    otlp = {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": sink.url}
     try:
-        gw, telemetry = make({"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": endpoint},
-                             env={"OTEL_BSP_SCHEDULE_DELAY": "60000"})
+        gw, telemetry = make(otlp, env={"OTEL_BSP_SCHEDULE_DELAY": "60000"})
         sampled, _ = streamed_record(gw, telemetry, CALLER)
-        gw_off, unsampled_telemetry = make({"enabled": True, "exporter": "otlp", "protocol": "http/protobuf",
-                                            "endpoint": endpoint, "sample_ratio": 0.0})
+        gw_off, unsampled_telemetry = make({**otlp, "sample_ratio": 0.0})
         unsampled, (upstream,) = streamed_record(gw_off, unsampled_telemetry, {})
         assert telemetry.tracing is not None and unsampled_telemetry.tracing is not None
         telemetry.tracing.close()  # shutdown flushes the queue through the exporter
         unsampled_telemetry.tracing.close()
     finally:
-        server.shutdown()
-        server.server_close()
+        sink.close()
+    received = [ExportTraceServiceRequest.FromString(body) for body in sink.bodies]
     spans = [span for request in received for rs in request.resource_spans for ss in rs.scope_spans
              for span in ss.spans]
     assert sorted(span.name for span in spans) == sorted(["chat " + MODEL, "POST /v1/chat/completions",
