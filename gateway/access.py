@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from policies.errors import RequestRejected
-from pools.config import ApiKeyConfig
+from policies.config import ApiKeyConfig
 
 OPEN_GATEWAY_WARNING = (
     "\n" + "!" * 100 + "\n"

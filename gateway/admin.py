@@ -13,8 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.admission import admin_traffic
-from gateway.app import Gateway
+from gateway.runtime import Gateway
 from gateway.errors import error_response
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -133,6 +132,13 @@ def _without_url_passwords(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_url_passwords(v) for v in value]
     return value
+
+
+async def admin_traffic(request: Request) -> Response:
+    """Traffic classes and their queues (gateway/admission.py's view)."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return JSONResponse(request.app.state.gateway.traffic.view())
 
 
 def admin_routes() -> list[Route]:

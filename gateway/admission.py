@@ -27,13 +27,13 @@ from starlette.requests import Request
 from starlette.types import Receive
 
 from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, Waiter, retry_after_s
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
 from policies.traffic import CLASS_HEADER, check_input_limits, request_priority, resolve_class, restrict_to_key
-from pools.config import GatewayConfig, TrafficClassConfig, TrafficConfig
+from policies.config import GatewayConfig, TrafficClassConfig, TrafficConfig
 from pools.rate_limit import RateLimiter, openai_duration, rate_limit_headers
 from pools.tasks import cancel_and_wait
 
@@ -415,15 +415,3 @@ def _natural_pool(choice: PoolChoice) -> str:
     """The pool that fits the request, before pool choice spilled it past a saturated one: its class is the
     request's default class wherever it ends up."""
     return choice.reason[6:] if choice.reason.startswith("spill:") else choice.pool.name
-
-
-async def admin_traffic(request: Request) -> Any:
-    """GET /admin/traffic (registered with the admin routes; same admin-key guard)."""
-    from starlette.responses import JSONResponse
-
-    from gateway.admin import _authorized
-
-    if (denied := _authorized(request)) is not None:
-        return denied
-    return JSONResponse(request.app.state.gateway.traffic.view())
-

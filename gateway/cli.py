@@ -9,7 +9,7 @@ import sys
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
-    from pools.config import ConfigError, load_config
+    from policies.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.path)
@@ -22,15 +22,15 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_schema(args: argparse.Namespace) -> int:
-    from pools.config import json_schema
+    from policies.config import json_schema
 
     print(json.dumps(json_schema(), indent=2, sort_keys=True))
     return 0
 
 
 def _cmd_pools_render(args: argparse.Namespace) -> int:
-    from pools.config import ConfigError, load_config
-    from pools.launch import LaunchError, format_commands, render_config
+    from policies.config import ConfigError, load_config
+    from policies.launch import LaunchError, format_commands, render_config
 
     try:
         print(format_commands(render_config(load_config(args.path), args.pool), args.format), end="")

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import build_app
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 DEMO_POOLS: list[dict[str, Any]] = [

@@ -8,25 +8,31 @@ config reload, so adding, changing or removing a pool's discovery takes effect w
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from pools.discovery import DnsDiscovery, DnsEndpointWatcher
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
+from policies.config import DnsDiscovery
+from pools.discovery import DnsEndpointWatcher
+from pools.replicas import PoolRuntime
 
 log = logging.getLogger("m3gate.discovery")
 
 
 class DiscoveryManager:
-    def __init__(self, gateway: Gateway, resolver: Any = None) -> None:
-        self._gateway = gateway
+    """Watchers for the pools that have `discovery`; `pools()` is read at each sync (reloads replace the pools),
+    `on_change()` runs after a pool's replica set changed."""
+
+    def __init__(
+        self, pools: Callable[[], Mapping[str, PoolRuntime]], on_change: Callable[[], None], resolver: Any = None
+    ) -> None:
+        self._pools = pools
+        self._on_change = on_change
         self._resolver = resolver
         self._watchers: dict[str, tuple[DnsDiscovery, DnsEndpointWatcher]] = {}
 
     async def sync(self) -> None:
         """Start, restart or stop watchers so they match the pools' current `discovery` settings."""
-        wanted = {name: pool.config.discovery for name, pool in self._gateway.pools.items() if pool.config.discovery}
+        wanted = {name: pool.config.discovery for name, pool in self._pools().items() if pool.config.discovery}
         for name, (spec, watcher) in list(self._watchers.items()):
             if wanted.get(name) != spec:
                 await watcher.stop()
@@ -41,11 +47,11 @@ class DiscoveryManager:
 
     def _changed(self, pool_name: str) -> Any:
         def on_change(added: set[str], removed: set[str]) -> None:
-            pool = self._gateway.pools.get(pool_name)
+            pool = self._pools().get(pool_name)
             if pool is None:
                 return
             pool.apply_discovery(added, removed)
-            self._gateway.sync_prefix_index()
+            self._on_change()
             log.warning("pool %s: discovery added %s, removed %s", pool_name, sorted(added), sorted(removed))
 
         return on_change

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from pools.replicas import PoolRuntime
 
 # Latency buckets from 1 ms to 10 min. Where vLLM has a boundary (TTFT: 1 ms … 160 s; request latency: 0.3 s … 480 s)

@@ -14,13 +14,14 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.record import RequestRecord
 from pools.replicas import LoadGuard
 from pools.tasks import cancel_and_wait
 
@@ -44,38 +45,28 @@ RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in NOT_FORWARDED)
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """What happened to one request, stage by stage (monotonic seconds); telemetry reads it when it ends."""
+def upstream_payload(
+    body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool, priority: int | None = None
+) -> tuple[bytes, bool]:
+    """The body sent to the replica: unchanged bytes unless routing needs a change. Returns (payload, strip_usage).
 
-    api: str
-    stream: bool
-    t_arrival: float
-    pool: str = ""
-    replica: str = ""
-    reason: str = ""
-    traffic_class: str = ""
-    thinking_mode: str = ""
-    prompt_tokens_est: int = 0
-    matched_blocks: int = 0
-    first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
-    pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated
-    max_tokens: int | None = None  # the caller's explicit output cap, if any
-    t_classified: float = 0.0
-    t_routed: float = 0.0  # pool and replica chosen
-    t_admitted: float = 0.0  # left the gateway's admission queue (== t_routed when nothing waited)
-    t_sent: float = 0.0
-    t_headers: float = 0.0  # the replica's response headers arrived (a stream's headers precede its first token)
-    t_first_byte: float = 0.0  # first body bytes (streams: the first token's event)
-    t_last_byte: float = 0.0
-    status: int = 0
-    attempts: int = 0
-    retried: bool = False
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    client_disconnected: bool = False
-    trace: Any = None  # telemetry's per-request state (span), opaque to everything else
-    extra: dict[str, Any] = field(default_factory=dict)
+    Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
+    gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
+    class's, for pools whose vLLM schedules by priority (it replaces any the client sent)."""
+    changed = False
+    if priority is not None and body.get("priority") != priority:
+        body["priority"] = priority
+        changed = True
+    if body.get("model") != model:
+        body["model"] = model
+        changed = True
+    strip_usage = False
+    if stream and api in ("chat", "completions"):
+        options = body.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            strip_usage = changed = True
+    return (orjson.dumps(body) if changed else raw), strip_usage
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], api_key: str | None) -> dict[str, str]:
@@ -338,3 +329,27 @@ class DisconnectWatches:
             now = time.monotonic()
             while due and due[0][0] <= now:
                 due.popleft()[1].start()
+
+
+class RawResponse(Response):
+    """A complete upstream body with the upstream's own headers, sent as is."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes):
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # Starlette's, minus what it never needs
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a complete JSON answer, if it has one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None

@@ -12,12 +12,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from pools.config import ConfigError, load_config
+from gateway.runtime import Gateway
+from policies.config import ConfigError, load_config
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
 
 log = logging.getLogger("m3gate.reload")
 

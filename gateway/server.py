@@ -14,7 +14,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
 from gateway.errors import error_body
-from pools.config import ConfigError, load_config
+from policies.config import ConfigError, load_config
 
 
 def serve(config_path: str, host: str | None = None, port: int | None = None) -> int:

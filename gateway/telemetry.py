@@ -54,8 +54,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.trace.status import Status, StatusCode
 
 from gateway.metrics import GatewayMetrics, error_type, gateway_overhead_s, routing_reason
-from gateway.relay import RequestRecord
-from pools.config import TelemetryConfig, TracingConfig
+from gateway.record import RequestRecord
+from policies.config import TelemetryConfig, TracingConfig
 
 log = logging.getLogger("m3gate.telemetry")
 

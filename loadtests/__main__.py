@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 from loadtests.client import Target
-from loadtests.workload import WORKLOAD_DIR, WorkloadError, build_plan, load_workload, trace_records
+from loadtests.oracle import trace_records
+from loadtests.workload import WORKLOAD_DIR, WorkloadError, build_plan, load_workload
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:

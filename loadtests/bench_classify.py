@@ -26,7 +26,7 @@ from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import choose_pool
 from policies.tokens import TokenCounter
-from pools.config import ClassificationConfig, PoolConfig
+from policies.config import ClassificationConfig, PoolConfig
 
 KINDS = ("code", "prose", "json", "cjk")
 KIND_WEIGHTS = (0.45, 0.25, 0.2, 0.1)  # a coding agent's transcript: mostly code, some prose and JSON, a little CJK

@@ -8,7 +8,7 @@ inputs the overhead benchmark sends: a 12-word chat request with max_tokens 16, 
 replica each), no API keys. The same request again and again is what that benchmark sends, so its text's count comes
 from the tokens cache after the first; the "unseen text" rows cycle through 50,000 different texts instead (what a
 new user message costs; earlier turns of a conversation are re-sent, so cached, with every new one). Async steps
-that never suspend on this path (`Gateway.choose_pool` without a recount, `TrafficControl.admit` with a free slot)
+that never suspend on this path (`Coordinator.choose_pool` without a recount, `TrafficControl.admit` with a free slot)
 are driven by hand, without an event loop."""
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import orjson
 from starlette.requests import Request
 
 from gateway.access import ANONYMOUS, check_header_size
-from gateway.app import Gateway
-from gateway.relay import RequestRecord
+from gateway.coordinator import Coordinator
+from gateway.runtime import Gateway
+from gateway.record import RequestRecord
 from policies.admission import pool_saturated
 from policies.classify import classify
 from policies.pool_choice import choose_pool
 from policies.traffic import check_input_limits, request_priority, resolve_class, restrict_to_key
-from pools.config import GatewayConfig, PoolConfig
+from policies.config import GatewayConfig, PoolConfig
 
 BODY = {
     "model": "MiniMaxAI/MiniMax-M3",
@@ -83,7 +84,8 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
     body = orjson.loads(RAW)
     profile = classify(body, "chat", ccfg, gw.counter)
     pools = cfg.pools_by_size()
-    choice, _ = run_sync(gw.choose_pool(profile, body, "chat", None))
+    coordinator = Coordinator(gw)
+    choice, _ = run_sync(coordinator.choose_pool(profile, body, "chat", None))
     runtime = gw.pools["interactive"]
     replica = next(iter(runtime.replicas.values()))
     now = gw.clock()
@@ -115,7 +117,7 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         "TokenCounter.measure_pieces, unseen text": lambda: gw.counter.measure_pieces((next(unseen),)),
         "classify, unseen text": lambda: classify(next(unseen_bodies), "chat", ccfg, gw.counter),
         "choose_pool (pure)": lambda: choose_pool(profile, pools, ccfg, saturated=frozenset()),
-        "Gateway.choose_pool": lambda: run_sync(gw.choose_pool(profile, body, "chat", None)),
+        "Coordinator.choose_pool": lambda: run_sync(coordinator.choose_pool(profile, body, "chat", None)),
         "Replica.snapshot": lambda: replica.snapshot(now),
         "PoolRuntime.snapshots (shared)": lambda: runtime.snapshots(now, gw.shared),
         "PoolRuntime.available": lambda: runtime.available(now),

@@ -388,13 +388,13 @@ def serve_profiled(config_path: str, port: int, out: str) -> int:
 
 COMPONENTS = (  # (label, file basename, function): where a request's gateway CPU goes
     ("whole request in uvicorn (run_asgi)", "httptools_impl.py", "run_asgi"),
-    ("routes.generate (handler)", "routes.py", "generate"),
+    ("Coordinator.serve (handler)", "coordinator.py", "serve"),
     ("classify", "classify.py", "classify"),
-    ("pool choice", "app.py", "choose_pool"),
+    ("pool choice", "coordinator.py", "choose_pool"),
     ("prefix hashing (prefix_blocks)", "prefix.py", "prefix_blocks"),
     ("replica choice (policy.choose)", "replica_choice.py", "choose"),
     ("admission (admit)", "admission.py", "admit"),
-    ("forward (upstream call and answer)", "app.py", "forward"),
+    ("forward (upstream call and answer)", "coordinator.py", "forward"),
     ("  aiohttp client request", "client.py", "_request"),
     ("  disconnect watchers (call_or_disconnect)", "relay.py", "call_or_disconnect"),
     ("stream pump (StreamRelay._pump)", "relay.py", "_pump"),
@@ -491,7 +491,7 @@ def bench_config(urls: Sequence[str]) -> dict[str, Any]:
                               "max_queue_wait_s": 600}},
         "saturation": {"max_waiting": None, "max_kv_usage": None}}}
     try:
-        from pools.config import GatewayConfig
+        from policies.config import GatewayConfig
 
         GatewayConfig.model_validate(permissive)
         return permissive

@@ -225,7 +225,7 @@ def checks(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def serve_patched(config_path: str, port: int, params_json: str) -> int:
     """An experiment, not a change: run the gateway with ChoiceParams overridden (e.g. load_epsilon) by wrapping the
     build_policy the gateway imported, to test a suggested fix without editing policies/."""
-    import gateway.app as app
+    import gateway.runtime as app
     from gateway.server import serve
 
     overrides = json.loads(params_json)

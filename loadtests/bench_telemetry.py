@@ -47,11 +47,11 @@ from typing import Any
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from gateway.telemetry import SpanBatcher, Telemetry
 from loadtests.bench_overhead import GW_CPU, LOAD_CPU
 from loadtests.replicas import pin, thread_cpu_seconds
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 from pools.replicas import PoolRuntime
 from pools.sim.launcher import start_sim
 

@@ -44,7 +44,7 @@ import aiohttp
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
-from loadtests.harness import run_dir
+from loadtests.harness import write_results
 from loadtests.private_redis import PrivateRedis
 from pools.replicas import EJECT_MAX_S
 from pools.sim.launcher import SimProcess, start_sim
@@ -582,12 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for failure in r.failures if not r.passed else []:
             print(f"- {r.name} FAILURE: {failure}")
     print(f"\n{len(results)} scenarios in {time.monotonic() - started:.0f} s")
-    out = args.out or run_dir("chaos")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps({"settings": asdict(settings), "command": " ".join(sys.argv),
-                                                "results": [asdict(r) for r in results]}, indent=2))
-    (out / "chaos.md").write_text(md + "\n")
-    print(f"results: {out}")
+    data = {"settings": asdict(settings), "results": [asdict(r) for r in results]}
+    print(f"results: {write_results(args.out, 'chaos', data, md)}")
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -362,3 +362,9 @@ async def run_plan(plan: Plan, target: Target, *, duration_s: float | None = Non
     first = min((r.t_send for r in results), default=0.0)
     return RunOutput(results=results, started_wall=started_wall, duration_s=max(1e-9, last_end[0] - t0 - first),
                      planned=planned, not_sent=max(0, planned - sent), target=target.label)
+
+
+def tpot_of(r: Result) -> float | None:
+    if r.ttft is None or r.e2el is None or not r.output_tokens or r.output_tokens <= 1:
+        return None
+    return (r.e2el - r.ttft) / (r.output_tokens - 1)

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
-from loadtests.harness import run_dir
+from loadtests.harness import write_results
 from loadtests.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim
 
@@ -863,11 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for example in report.examples:
         print(f"- {example}")
     print(f"\n{report.cases:,} cases in {report.seconds:.0f} s: {'PASS' if report.passed else 'FAIL'}")
-    out = args.out or run_dir("fuzz")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps({"command": " ".join(sys.argv), **asdict(report)}, indent=2))
-    (out / "fuzz.md").write_text(md + "\n")
-    print(f"results: {out}")
+    print(f"results: {write_results(args.out, 'fuzz', asdict(report), md)}")
     return 0 if report.passed else 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,16 @@ RESULTS_DIR = Path(__file__).parent / "results"
 def run_dir(name: str, root: Path | None = None) -> Path:
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
     return (root or RESULTS_DIR) / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
+
+
+def write_results(out: Path | None, name: str, data: Mapping[str, Any], md: str) -> Path:
+    """A suite's results as NAME.json (with the command that produced them) and NAME.md, in `out` or a fresh
+    run folder; returns the folder (printed by the caller)."""
+    folder = out or run_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), **data}, indent=2))
+    (folder / f"{name}.md").write_text(md + "\n")
+    return folder
 
 
 def gateway_replicas(gateway_url: str, admin_key: str | None = None) -> list[str]:

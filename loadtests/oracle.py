@@ -16,7 +16,7 @@ Hit rates are token-weighted (hit tokens / prompt tokens), as vLLM's prefix_cach
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,3 +130,33 @@ def oracle_hit_rates(plan: Plan, block_size: int = 128, image_tokens: int = 256,
         "by_class": {c: {"prompt_tokens": a[0], "session": a[1] / a[0] if a[0] else 0.0,
                          "global": a[2] / a[0] if a[0] else 0.0} for c, a in by_class.items()},
     }
+
+
+def trace_records(items: Iterable[Item], sent_at: Mapping[int, float] | None = None,
+                  block_tokens: int = 128) -> list[dict[str, Any]]:
+    """Replayable trace records in Mooncake's format (timestamp in ms, input/output lengths, `hash_ids`: one id
+    per `block_tokens` block of the prompt as the simulator tokenizes it, equal ids = equal prefix), plus the
+    fields Mooncake lacks (class, session, thinking, tool call, images). Timestamps are the actual send times when
+    known, else the planned ones."""
+    ids: dict[int, int] = {}
+    out = []
+    for item in items:
+        hashes = prompt_block_hashes(item, block_tokens)
+        rec: dict[str, Any] = {
+            "timestamp": round(1000 * (sent_at or {}).get(item.index, item.at), 3),
+            "input_length": prompt_token_count(item), "output_length": item.output_tokens,
+            "hash_ids": [ids.setdefault(h, len(ids)) for h in hashes] + [len(ids) + item.index + 10**7],
+            "block_tokens": block_tokens, "class": item.cls, "api": item.api}
+        if item.prefix_group is not None:
+            rec["prefix_group"] = item.prefix_group
+        if item.session is not None:
+            rec["session"] = item.session
+            rec["turn"] = item.turn
+        if item.thinking:
+            rec["thinking"] = True
+        if item.tool_call:
+            rec["tool_call"] = True
+        if item.images:
+            rec["images"] = item.images
+        out.append(rec)
+    return out

@@ -21,7 +21,7 @@ def _plt():  # type: ignore[no-untyped-def]
 def write_plots(run: RunOutput, report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     import numpy as np
 
-    from loadtests.report import tpot_of
+    from loadtests.client import tpot_of
 
     plt = _plt()
     written: list[Path] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtests.client import Result, RunOutput
+from loadtests.client import Result, RunOutput, tpot_of
 from loadtests.workload import Plan, Slo
 
 PERCENTILES = (50, 95, 99)
@@ -36,12 +36,6 @@ def stats_ms(values: Sequence[float]) -> dict[str, float | None]:
         out[f"p{p}"] = float(v)
     out["n"] = int(arr.size)
     return out
-
-
-def tpot_of(r: Result) -> float | None:
-    if r.ttft is None or r.e2el is None or not r.output_tokens or r.output_tokens <= 1:
-        return None
-    return (r.e2el - r.ttft) / (r.output_tokens - 1)
 
 
 def is_good(r: Result, slo: Slo) -> bool:
@@ -236,7 +230,7 @@ def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan:
             f.write(json.dumps(r.as_dict()) + "\n")
     written.append(p)
     if trace:
-        from loadtests.workload import trace_records
+        from loadtests.oracle import trace_records
 
         by_index = {i.index: i for i in plan.items}
         sent = {r.index: r.t_send for r in run.results}

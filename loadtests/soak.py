@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import signal
@@ -39,7 +38,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from loadtests.harness import run_dir
+from loadtests.harness import write_results
 from loadtests.chaos import CLIENT_KEY, MODEL, POOL, Cluster, classify_stream
 
 RSS_GROWTH_LIMIT = 0.05
@@ -348,11 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"- {'pass' if ok else 'FAIL'}: {name}")
     for problem in result.problems[:20]:
         print(f"- problem: {problem}")
-    out = args.out or run_dir("soak")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps({"command": " ".join(sys.argv), **asdict(result)}, indent=2))
-    (out / "soak.md").write_text(md + "\n")
-    print(f"results: {out}")
+    print(f"results: {write_results(args.out, 'soak', asdict(result), md)}")
     return 0 if result.passed else 1
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -809,35 +809,3 @@ def load_workload(name_or_path: str, overrides: Mapping[str, Any] | None = None)
     if not isinstance(spec, dict):
         raise WorkloadError(f"{path}: a workload is a mapping")
     return build_plan(spec, base_dir=path.parent, source=str(path), overrides=overrides)
-
-
-def trace_records(items: Iterable[Item], sent_at: Mapping[int, float] | None = None,
-                  block_tokens: int = 128) -> list[dict[str, Any]]:
-    """Replayable trace records in Mooncake's format (timestamp in ms, input/output lengths, `hash_ids`: one id
-    per `block_tokens` block of the prompt as the simulator tokenizes it, equal ids = equal prefix), plus the
-    fields Mooncake lacks (class, session, thinking, tool call, images). Timestamps are the actual send times when
-    known, else the planned ones."""
-    from loadtests.oracle import prompt_block_hashes, prompt_token_count
-
-    ids: dict[int, int] = {}
-    out = []
-    for item in items:
-        hashes = prompt_block_hashes(item, block_tokens)
-        rec: dict[str, Any] = {
-            "timestamp": round(1000 * (sent_at or {}).get(item.index, item.at), 3),
-            "input_length": prompt_token_count(item), "output_length": item.output_tokens,
-            "hash_ids": [ids.setdefault(h, len(ids)) for h in hashes] + [len(ids) + item.index + 10**7],
-            "block_tokens": block_tokens, "class": item.cls, "api": item.api}
-        if item.prefix_group is not None:
-            rec["prefix_group"] = item.prefix_group
-        if item.session is not None:
-            rec["session"] = item.session
-            rec["turn"] = item.turn
-        if item.thinking:
-            rec["thinking"] = True
-        if item.tool_call:
-            rec["tool_call"] = True
-        if item.images:
-            rec["images"] = item.images
-        out.append(rec)
-    return out

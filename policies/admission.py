@@ -25,7 +25,7 @@ from typing import Any
 
 from policies.errors import RequestRejected
 from policies.snapshot import ReplicaSnapshot
-from pools.config import SaturationConfig
+from policies.config import SaturationConfig
 
 RETRY_AFTER_MAX_S = 120
 DRAIN_WINDOW_S = 30.0

@@ -17,7 +17,7 @@ import orjson
 from policies.errors import RequestRejected
 from policies.media import base64_payload_start, image_size_from_base64, image_tokens
 from policies.tokens import TokenCount, TokenCounter
-from pools.config import ClassificationConfig, ThinkingMode
+from policies.config import ClassificationConfig, ThinkingMode
 
 Api = Literal["chat", "completions", "responses", "messages"]
 
@@ -142,6 +142,16 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
 # Fields other than the prompt
 
 
+def _known_mode(value: Any, param: str, unset_note: str) -> ThinkingMode:
+    if not isinstance(value, str) or value not in THINKING_MODES:
+        raise RequestRejected(
+            f"{param} must be one of 'enabled', 'adaptive' or 'disabled'{unset_note}; got {_show(value)}.",
+            param=param,
+            code="invalid_value",
+        )
+    return value  # type: ignore[return-value]
+
+
 def _thinking_mode(body: dict[str, Any], api: str) -> ThinkingMode:
     """`chat_template_kwargs.thinking_mode` (what the MiniMax template reads) wins; then the API's own switch."""
     kwargs = body.get("chat_template_kwargs")
@@ -150,28 +160,14 @@ def _thinking_mode(body: dict[str, Any], api: str) -> ThinkingMode:
             raise _bad_type(("chat_template_kwargs",), "an object")
         mode = kwargs.get("thinking_mode")
         if mode is not None:
-            if not isinstance(mode, str) or mode not in THINKING_MODES:
-                raise RequestRejected(
-                    f"chat_template_kwargs.thinking_mode must be one of 'enabled', 'adaptive' or 'disabled' "
-                    f"(or unset, which means 'adaptive'); got {_show(mode)}.",
-                    param="chat_template_kwargs.thinking_mode",
-                    code="invalid_value",
-                )
-            return mode  # type: ignore[no-any-return]
+            return _known_mode(mode, "chat_template_kwargs.thinking_mode", " (or unset, which means 'adaptive')")
     if api == "messages":
         thinking = body.get("thinking")
         if thinking is None:
             return "adaptive"
         if not isinstance(thinking, dict):
             raise _bad_type(("thinking",), 'an object such as {"type": "enabled", "budget_tokens": 8192}')
-        kind = thinking.get("type")
-        if not isinstance(kind, str) or kind not in THINKING_MODES:
-            raise RequestRejected(
-                f"thinking.type must be 'enabled', 'adaptive' or 'disabled'; got {_show(kind)}.",
-                param="thinking.type",
-                code="invalid_value",
-            )
-        return kind  # type: ignore[no-any-return]
+        return _known_mode(thinking.get("type"), "thinking.type", "")
     if api == "responses":
         reasoning = body.get("reasoning")
         if reasoning is None:

@@ -20,7 +20,7 @@ from operator import attrgetter
 
 from policies.classify import PROMPT_FIELD, RequestProfile
 from policies.errors import RequestRejected
-from pools.config import ClassificationConfig, PoolConfig
+from policies.config import ClassificationConfig, PoolConfig
 
 # What the caller can lower when the output budget is what does not fit.
 _BUDGET_PARAM = {

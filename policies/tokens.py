@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import tiktoken
 
-from pools.config import ClassificationConfig
+from policies.config import ClassificationConfig
 
 # tiktoken's public encodings are fetched from the internet on first use; this gateway must never download.
 _DOWNLOADED_ENCODINGS = frozenset({"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base",

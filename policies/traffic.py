@@ -15,7 +15,7 @@ from typing import Any
 
 from policies.errors import RequestRejected
 from policies.pool_choice import FORCED_POOL_HEADER, PoolChoice
-from pools.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficConfig
+from policies.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficConfig
 
 CLASS_HEADER = "x-m3gate-class"
 

@@ -13,9 +13,9 @@ import inspect
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, Self
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from policies.config import DnsDiscovery
 
 # loop.getaddrinfo's shape: (host, port, *, family=0, type=0, proto=0, flags=0) -> [(family, type, proto, canonname,
 # sockaddr)], so the default is the event loop's own (a worker thread) and a test can pass a stub.
@@ -23,25 +23,6 @@ Resolver = Callable[..., Awaitable[Sequence[tuple[Any, ...]]]]
 OnChange = Callable[[set[str], set[str]], Awaitable[None] | None]
 
 _log = logging.getLogger(__name__)
-
-
-class DnsDiscovery(BaseModel):
-    """Where a pool's replicas are listed: a DNS name whose A/AAAA records are the replicas."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    dns_name: str = Field(
-        pattern=r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?$",
-        max_length=253,
-        description="e.g. vllm-short.m3gate.svc.cluster.local (a headless Service).",
-    )
-    port: int = Field(default=8000, ge=1, le=65535, description="The replicas' vLLM HTTP port.")
-    scheme: Literal["http", "https"] = "http"
-    refresh_s: float = Field(default=5.0, gt=0, le=3600, description="Seconds between lookups.")
-
-    def url(self, address: str) -> str:
-        host = f"[{address}]" if ":" in address else address
-        return f"{self.scheme}://{host}:{self.port}"
 
 
 class DnsEndpointWatcher:

@@ -780,7 +780,7 @@ class PrecisePool:
     """Everything precise routing needs for one pool: its exact index, the event subscriptions that feed it, the
     hybrid matcher its PrefixAffinity policy reads, and the prompt hasher that computes requests' exact hashes.
 
-    Built from the pool's config (`pools.config.PreciseConfig`, its block_size and launch spec); rebuilt whole when
+    Built from the pool's config (`policies.config.PreciseConfig`, its block_size and launch spec); rebuilt whole when
     any of that changes. The approximate index is the gateway's, shared with approximate pools."""
 
     def __init__(self, pool: Any, model: str, approx: Any, clock: Clock = time.monotonic) -> None:

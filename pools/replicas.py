@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from policies.snapshot import ReplicaSnapshot
-from pools.config import PoolConfig
+from policies.config import PoolConfig
 from pools.shared_state import SharedState
 
 EWMA_ALPHA = 0.2
@@ -180,6 +180,11 @@ class PoolRuntime:
     @property
     def name(self) -> str:
         return self.config.name
+
+    def probe_headers(self) -> dict[str, str]:
+        """The pool's own key, for the gateway's calls to its replicas (health, /metrics, /tokenize, KV events)."""
+        key = self.config.api_key
+        return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
     def snapshots(self, now: float, shared: SharedState | None = None) -> list[ReplicaSnapshot]:
         if shared is None:

@@ -22,9 +22,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.app import Gateway, build_app
+from gateway.app import build_app
+from gateway.runtime import Gateway
 from policies.replica_choice import RoutingDecision
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -90,7 +91,7 @@ async def test_gateway_block_hashes_equal_the_replicas_published_ones(vllm_serve
     gw: Gateway = app.state.gateway
     await gw.start()
     try:
-        precise = gw.precise["p"]
+        precise = gw.precise.pools["p"]
         await until(lambda: all(precise.index.fresh(s.url, time.monotonic()) for s in servers))
         computed: list[tuple[int, ...]] = []
         decisions: list[RoutingDecision] = []

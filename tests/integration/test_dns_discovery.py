@@ -14,7 +14,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.launcher import free_port
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"

@@ -169,7 +169,7 @@ async def test_client_timing_follows_vllm_bench_definitions() -> None:
     from aiohttp import web
 
     from loadtests.client import run_plan
-    from loadtests.report import tpot_of
+    from loadtests.client import tpot_of
 
     def chunk(text: str) -> bytes:
         return b'data: {"choices":[{"index":0,"delta":{"content":"' + text.encode() + b'"}}]}\n\n'

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import build_app
 from gateway.launcher import GatewayProcess, start_gateway
 from gateway.telemetry import Telemetry
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"

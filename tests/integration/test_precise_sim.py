@@ -22,9 +22,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.app import Gateway, build_app
+from gateway.app import build_app
+from gateway.runtime import Gateway
 from policies.replica_choice import RoutingDecision
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 from pools.sim.launcher import SimProcess, running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -109,7 +110,7 @@ async def test_exact_hashes_equal_the_published_ones_and_a_shared_prefix_scores_
     sims: list[SimProcess], tiny_tokenizer_dir: Path
 ) -> None:
     async with gateway(config(sims, tiny_tokenizer_dir)) as (gw, client, decisions):
-        precise = gw.precise["p"]
+        precise = gw.precise.pools["p"]
         await until(lambda: all(precise.index.fresh(s.url, time.monotonic()) for s in sims))
         published: dict[str, list[list[int]]] = {s.url: [] for s in sims}
         endpoints = {s.url: httpx.get(s.url + "/kv_event_sources").json()["0"]["endpoint"] for s in sims}
@@ -149,7 +150,7 @@ async def test_a_cleared_cache_is_seen_through_the_events_where_the_estimate_is_
     sims: list[SimProcess], tiny_tokenizer_dir: Path
 ) -> None:
     async with gateway(config(sims, tiny_tokenizer_dir)) as (gw, client, decisions):
-        precise = gw.precise["p"]
+        precise = gw.precise.pools["p"]
         await until(lambda: all(precise.index.fresh(s.url, time.monotonic()) for s in sims))
         body = chat(long_text(uuid.uuid4().hex[:6]), "question")
         first = await client.post("/v1/chat/completions", json=body)
@@ -167,7 +168,7 @@ async def test_a_cleared_cache_is_seen_through_the_events_where_the_estimate_is_
 
 async def test_reload_and_metrics(sims: list[SimProcess], tiny_tokenizer_dir: Path) -> None:
     async with gateway(config(sims, tiny_tokenizer_dir)) as (gw, client, _):
-        precise = gw.precise["p"]
+        precise = gw.precise.pools["p"]
         await until(lambda: all(precise.index.fresh(s.url, time.monotonic()) for s in sims))
         await client.post("/v1/chat/completions", json=chat(long_text(uuid.uuid4().hex[:6]), "q"))
         text = (await client.get("/metrics")).text
@@ -175,13 +176,13 @@ async def test_reload_and_metrics(sims: list[SimProcess], tiny_tokenizer_dir: Pa
         assert 'm3gate_precise_requests_total{hashes="exact",pool="p"} 1.0' in text
         assert "m3gate_kv_event_batches_total" in text
         gw.apply_config(config(sims[:1], tiny_tokenizer_dir))  # a replica leaves: its subscription and blocks go
-        assert gw.precise["p"] is precise
+        assert gw.precise.pools["p"] is precise
         assert precise.index.replicas() == [sims[0].url] and precise.hub.replicas() == [sims[0].url]
         gw.apply_config(config(sims[:1], tiny_tokenizer_dir, silent_after_s=3.0))  # changed settings: fresh state
-        assert gw.precise["p"] is not precise
-        await until(lambda: gw.precise["p"].index.fresh(sims[0].url, time.monotonic()))
+        assert gw.precise.pools["p"] is not precise
+        await until(lambda: gw.precise.pools["p"].index.fresh(sims[0].url, time.monotonic()))
         off = GatewayConfig.model_validate({**config(sims, tiny_tokenizer_dir).model_dump(mode="json"),
                                             "pools": [{"name": "p", "max_model_len": 8192,
                                                        "endpoints": [s.url for s in sims]}]})
         gw.apply_config(off)
-        assert gw.precise == {} and gw.policies["p"].prefix_index is gw.prefix_index
+        assert gw.precise.pools == {} and gw.policies["p"].prefix_index is gw.prefix_index

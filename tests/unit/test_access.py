@@ -12,7 +12,7 @@ import pytest
 
 from gateway.access import ANONYMOUS, KeyStore, body_deadline, check_header_size, presented_key
 from policies.errors import RequestRejected
-from pools.config import ApiKeyConfig, ConfigError, parse_config
+from policies.config import ApiKeyConfig, ConfigError, parse_config
 
 
 def _sha(key: str) -> str:

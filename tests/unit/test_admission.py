@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from gateway.admission import TICKET_KEY, AdmissionControl, ClientGone, Ticket, TrafficControl
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from policies.admission import (
     RETRY_AFTER_MAX_S,
     DrainRate,
@@ -22,7 +22,7 @@ from policies.admission import (
     retry_after_s,
 )
 from policies.snapshot import ReplicaSnapshot
-from pools.config import GatewayConfig, SaturationConfig, TrafficClassConfig, TrafficConfig
+from policies.config import GatewayConfig, SaturationConfig, TrafficClassConfig, TrafficConfig
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ import pytest
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
 from policies.traffic import check_input_limits, pool_class, request_priority, resolve_class, restrict_to_key
-from pools.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficClassConfig, TrafficConfig
+from policies.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficClassConfig, TrafficConfig
 
 SMALL = PoolConfig(name="small", max_model_len=32_768)
 MEDIUM = PoolConfig(name="medium", max_model_len=131_072)

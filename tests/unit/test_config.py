@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pools.config import ConfigError, json_schema, load_config, parse_config
+from policies.config import ConfigError, json_schema, load_config, parse_config
 
 GOOD = """\
 model: MiniMaxAI/MiniMax-M3

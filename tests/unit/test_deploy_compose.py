@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 import yaml
 
-from pools.config import GatewayConfig, load_config
-from pools.launch import render
+from policies.config import GatewayConfig, load_config
+from policies.launch import render
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pools.config import GatewayConfig, load_config
-from pools.launch import render
+from policies.config import GatewayConfig, load_config
+from policies.launch import render
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "k8s" / "base"

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from pools.config import ConfigError, parse_config
-from pools.discovery import DnsDiscovery, DnsEndpointWatcher
+from policies.config import ConfigError, parse_config
+from policies.config import DnsDiscovery
+from pools.discovery import DnsEndpointWatcher
 
 
 class ScriptedDns:

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from gateway.app import build_app
-from pools.config import GatewayConfig
+from policies.config import GatewayConfig
 
 pytestmark = pytest.mark.asyncio
 
@@ -22,19 +22,19 @@ def _client(app) -> httpx.AsyncClient:  # type: ignore[no-untyped-def]
 
 async def test_a_gateway_bug_on_the_fast_path_is_an_openai_500_and_the_next_request_is_served() -> None:
     app = build_app(GatewayConfig.model_validate(CONFIG))
-    gateway = app.state.gateway
-    real = gateway.classify
+    coordinator = app.state.coordinator
+    real = coordinator.classify
 
     async def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug")
 
-    gateway.classify = broken
+    coordinator.classify = broken
     async with _client(app) as client:
         response = await client.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 500
         error = response.json()["error"]
         assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
-        gateway.classify = real
+        coordinator.classify = real
         bad = await client.post("/v1/chat/completions", content=b"{not json")  # still parsed and answered
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 

@@ -8,7 +8,7 @@ import dataclasses
 from policies.classify import RequestProfile, classify
 from policies.snapshot import ReplicaSnapshot
 from policies.tokens import SHORT_CACHE_ENTRIES, TokenCounter
-from pools.config import ClassificationConfig
+from policies.config import ClassificationConfig
 from pools.replicas import Replica, ScrapedLoad
 
 

@@ -1,4 +1,4 @@
-"""Every command the MiniMax-M3 vLLM recipe documents, pasted verbatim, against what `pools.launch.render` gives.
+"""Every command the MiniMax-M3 vLLM recipe documents, pasted verbatim, against what `policies.launch.render` gives.
 
 The recipe text is the oracle: each row holds a bash block copied from shared/seeds/minimax-m3-vllm-recipe.md
 (and the deployment guide) and the launch spec that should reproduce it. A rendered command must carry every
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from pools.config import GatewayConfig, PoolConfig
-from pools.launch import render
+from policies.config import GatewayConfig, PoolConfig
+from policies.launch import render
 
 SERVED = "MiniMaxAI/MiniMax-M3"
 MULTIMODAL = ["text", "image", "video"]
@@ -488,7 +488,7 @@ def test_render_config_uses_the_gateway_model_as_served_name() -> None:
         {"name": "a", "max_model_len": 32768, "launch": {"hardware": "h200"}},
         {"name": "b", "max_model_len": 65536},
     ]})
-    from pools.launch import render_config
+    from policies.launch import render_config
 
     cmds = render_config(cfg)
     assert [c.pool for c in cmds] == ["a"]  # pools without a launch section are launched elsewhere

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from gateway.cli import main
-from pools.config import ConfigError, parse_config
-from pools.launch import render
+from policies.config import ConfigError, parse_config
+from policies.launch import render
 
 POOL_FILE = """\
 model: MiniMaxAI/MiniMax-M3

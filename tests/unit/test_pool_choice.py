@@ -12,7 +12,7 @@ from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
 from policies.tokens import TokenCounter
-from pools.config import ClassificationConfig, PoolConfig
+from policies.config import ClassificationConfig, PoolConfig
 
 CFG = ClassificationConfig()  # safety margin 3%, boundary band 10%, default budgets 32K / 16K / 4K
 INTERACTIVE = PoolConfig(name="interactive", max_model_len=32_768, modalities=["text"])

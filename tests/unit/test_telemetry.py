@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.metrics import error_type, routing_reason, scrape_targets
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from gateway.telemetry import DiscardingSpanExporter, Telemetry, build_exporter, tracing_enabled
-from pools.config import GatewayConfig, TracingConfig, parse_config
+from policies.config import GatewayConfig, TracingConfig, parse_config
 from pools.replicas import PoolRuntime, ScrapedLoad
 
 MODEL = "MiniMaxAI/MiniMax-M3"

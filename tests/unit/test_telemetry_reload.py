@@ -14,9 +14,9 @@ from opentelemetry.trace import SpanKind
 
 import gateway.telemetry as telemetry_module
 from gateway.metrics import ITL_BUCKETS, HistogramTable
-from gateway.relay import RequestRecord
+from gateway.record import RequestRecord
 from gateway.telemetry import SpanBatcher, Telemetry
-from pools.config import GatewayConfig, parse_config
+from policies.config import GatewayConfig, parse_config
 from pools.replicas import PoolRuntime
 from tests.unit.test_telemetry import A, B, CALLER, MODEL, StubGateway
 

@@ -26,12 +26,30 @@ from pydantic import (
     model_validator,
 )
 
-from pools.discovery import DnsDiscovery
-from pools.launch import LaunchSpec
+from policies.launch import LaunchSpec
 
 Modality = Literal["text", "image", "video"]
 ThinkingMode = Literal["enabled", "adaptive", "disabled"]
 RoutingPolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
+
+
+class DnsDiscovery(BaseModel):
+    """Where a pool's replicas are listed: a DNS name whose A/AAAA records are the replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dns_name: str = Field(
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?$",
+        max_length=253,
+        description="e.g. vllm-short.m3gate.svc.cluster.local (a headless Service).",
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="The replicas' vLLM HTTP port.")
+    scheme: Literal["http", "https"] = "http"
+    refresh_s: float = Field(default=5.0, gt=0, le=3600, description="Seconds between lookups.")
+
+    def url(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address
+        return f"{self.scheme}://{host}:{self.port}"
 
 
 class _Strict(BaseModel):

@@ -7,7 +7,7 @@ gateway only adds what it needs to observe and route (prefix caching details, lo
 tracing, a served model name). Combinations the recipe marks incompatible are refused with its own words,
 when the config is loaded, so `m3gate config check` shows them with their line.
 
-This module must not import pools.config (which imports it): pools are read through the `PoolLike` protocol.
+This module must not import policies.config (which imports it): pools are read through the `PoolLike` protocol.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class LaunchSpec(BaseModel):
 
 
 class PoolLike(Protocol):
-    """The parts of pools.config.PoolConfig that rendering reads."""
+    """The parts of policies.config.PoolConfig that rendering reads."""
 
     @property
     def name(self) -> str: ...

@@ -1,0 +1,382 @@
+"""One request's path, start to end: classify → choose a pool → admit → choose a replica → forward → finished.
+
+`Coordinator.serve` is the whole path in one screen; each step below it is a method of a few lines that hands the
+decision to a pure policy (`policies/`) over the live state of `Gateway` (`gateway/runtime.py`). Collaborators
+plug in without being inlined: traffic control admits (`gateway/admission.py`), precise routing supplies exact
+block hashes (`gateway/precise.py`), the relay streams the answer (`gateway/relay.py`), telemetry observes
+(`gateway/telemetry.py`). `finished` is the single end of every request, however it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.admission import Admitted
+from gateway.bodies import check_model, parse_json_object, receive_body
+from gateway.errors import UpstreamFailure, rejected_response
+from gateway.record import RequestRecord
+from gateway.relay import (
+    RETRYABLE_STATUS,
+    DisconnectWatch,
+    RawResponse,
+    StreamRelay,
+    response_headers,
+    upstream_headers,
+    upstream_payload,
+    usage_of,
+)
+from gateway.runtime import Gateway
+from policies.classify import RequestProfile, classify
+from policies.errors import RequestRejected
+from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
+from policies.prefix import prefix_blocks
+from policies.replica_choice import NoReplicaAvailable, RoutingRequest
+from pools.replicas import PoolRuntime, Replica
+
+log = logging.getLogger("m3gate")
+
+# Requests whose body is larger than this are classified in a worker thread, off the event loop.
+CLASSIFY_IN_THREAD_BYTES = 64 * 1024
+MAX_ATTEMPTS = 2
+
+
+class Target(NamedTuple):
+    """One replica the request may be sent to, and why it was chosen."""
+
+    pool: PoolRuntime
+    replica: Replica
+    reason: str
+    matched_blocks: int
+
+
+class Coordinator:
+    """Serves the generate endpoints over one `Gateway`'s state."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def serve(self, request: Request, api: str) -> Any:
+        """Every outcome is a response: the answer, or an error in OpenAI's shape."""
+        gw = self.gw
+        record = RequestRecord(api=api, stream=False, t_arrival=gw.clock())
+        record.extra["path"] = request.scope["path"]
+        gw.telemetry.start(record, request.headers)
+        try:
+            client = gw.traffic.authenticate(request)  # no key, no body read, no pool
+            raw = await receive_body(request, gw.config.server.max_body_bytes, gw.traffic.body_deadline)
+            body = parse_json_object(raw)
+            check_model(body, gw.served_models)
+            gw.traffic.check_input(body, api)
+            profile = await self.classify(body, api, len(raw))
+            record.stream = profile.stream
+            record.thinking_mode = profile.thinking_mode
+            choice, profile = await self.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
+            record.prompt_tokens_est = profile.prompt_tokens
+            record.first_pool, record.pool_reason = choice.pool.name, choice.reason
+            record.max_tokens = profile.output_budget if profile.budget_explicit else None
+            record.t_classified = gw.clock()
+            routing = RoutingRequest(
+                prompt_tokens=profile.prompt_tokens,
+                output_budget=profile.output_budget,
+                block_hashes=self.prefix_blocks(body, api),
+                session_key=session_key(request, body),
+            )
+            record.t_routed = gw.clock()
+            admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
+            payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority)
+            return await self.forward(request, record, admitted.choice, profile, routing, payload, strip_usage)
+        except RequestRejected as exc:
+            record.status, record.error = exc.status, exc.code or exc.type
+            await self.finished(record)
+            return rejected_response(exc, gw.traffic.refusal_headers(record, exc))
+        except UpstreamFailure as exc:
+            record.status, record.error = exc.status, exc.code
+            await self.finished(record)
+            headers = {"retry-after": "1"} if exc.status == 503 else None
+            return exc.response(headers)
+        except BaseException as exc:  # cancelled, or a gateway bug (→ 500): slot, metrics and span must not leak
+            record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500
+            record.error = record.error or type(exc).__name__
+            await self.finished(record)
+            raise
+
+    # 1. classify -------------------------------------------------------------------------------------------
+    async def classify(self, body: dict[str, Any], api: str, body_size: int) -> RequestProfile:
+        cfg = self.gw.config.classification
+        if body_size > CLASSIFY_IN_THREAD_BYTES:
+            return await asyncio.to_thread(classify, body, api, cfg, self.gw.counter)
+        return classify(body, api, cfg, self.gw.counter)
+
+    # 2. choose a pool --------------------------------------------------------------------------------------
+    async def choose_pool(
+        self, profile: RequestProfile, body: dict[str, Any], api: str, forced: str | None
+    ) -> tuple[PoolChoice, RequestProfile]:
+        """The smallest pool that holds the request; near a pool's limit, counted again by the pool's tokenizer."""
+        gw = self.gw
+        now = gw.clock()
+        pools = [p.config for p in gw.pools.values()]
+        saturated = frozenset(name for name, p in gw.pools.items() if not p.available(now))
+        cfg = gw.config.classification
+        choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
+        if choice.needs_exact_count and api in ("chat", "completions"):
+            exact = await self.exact_prompt_tokens(gw.pools[choice.pool.name], body, api)
+            if exact is not None:
+                profile = with_exact_prompt_tokens(profile, exact)
+                choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
+        return choice, profile
+
+    async def exact_prompt_tokens(self, pool: PoolRuntime, body: dict[str, Any], api: str) -> int | None:
+        """Ask one of the pool's replicas to count the prompt with the model's own tokenizer and template."""
+        gw = self.gw
+        now = gw.clock()
+        replicas = [r for r in pool.replicas.values() if r.is_available(now)]
+        if not replicas or gw.session is None:
+            return None
+        if api == "chat":
+            payload: dict[str, Any] = {"model": gw.config.model, "messages": body.get("messages")}
+            for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+                if key in body:
+                    payload[key] = body[key]
+        else:
+            payload = {"model": gw.config.model, "prompt": body.get("prompt")}
+        headers = {"content-type": "application/json", **pool.probe_headers()}
+        try:
+            async with gw.session.post(
+                replicas[0].url + "/tokenize", data=orjson.dumps(payload), headers=headers,
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                data = orjson.loads(await resp.read())
+                count = data.get("count")
+                return int(count) if isinstance(count, int) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
+            return None
+
+    def prefix_blocks(self, body: dict[str, Any], api: str) -> tuple[int, ...]:
+        """Chained prefix-block hashes, only computed when the routing policy reads them."""
+        if self.gw.config.routing.policy != "prefix_affinity":
+            return ()
+        return prefix_blocks(body, api, self.gw.config.model)
+
+    # 3. (admission is gateway/admission.py's TrafficControl.admit)
+    # 4. choose replicas ------------------------------------------------------------------------------------
+    def choose_replicas(
+        self, choice: PoolChoice, routing: RoutingRequest, routings: Mapping[str, RoutingRequest] | None = None
+    ) -> list[Target]:
+        """Up to MAX_ATTEMPTS targets: the best replica, then the next best in the same pool, else the best of the
+        next larger pool. `routings`: per pool, the request with that pool's exact block hashes (precise pools)."""
+        gw = self.gw
+        now = gw.clock()
+        targets: list[Target] = []
+        for pool_cfg in choice.candidates:
+            pool = gw.pools.get(pool_cfg.name)
+            if pool is None:  # removed by a reload while the request waited
+                continue
+            try:
+                pool_routing = routings.get(pool.name, routing) if routings else routing
+                decision = gw.policies[pool.name].choose(pool_routing, pool.snapshots(now, gw.shared), now)
+            except NoReplicaAvailable:
+                continue
+            for url in (decision.replica, *decision.fallbacks):
+                replica = pool.replicas.get(url)
+                if replica is not None and replica.is_available(now):
+                    targets.append(Target(pool, replica, decision.reason, decision.matched_blocks))
+                    if len(targets) >= MAX_ATTEMPTS:
+                        return targets
+        return targets
+
+    # 5. forward --------------------------------------------------------------------------------------------
+    async def forward(
+        self,
+        request: Request,
+        record: RequestRecord,
+        choice: PoolChoice,
+        profile: RequestProfile,
+        routing: RoutingRequest,
+        payload: bytes,
+        strip_usage: bool,
+    ) -> Response | StreamRelay:
+        """Send to the chosen replica; before the first byte, a failure is retried once on the next target."""
+        gw = self.gw
+        assert gw.session is not None
+        routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
+        targets = self.choose_replicas(choice, routing, routings)
+        if not targets:
+            raise UpstreamFailure(
+                503,
+                f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
+                "no_healthy_replica",
+            )
+        attempt = _Attempts(request, record, payload, strip_usage, profile.prompt_tokens + profile.output_budget)
+        watch = gw.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
+        try:
+            last_failure: UpstreamFailure | None = None
+            for number, target in enumerate(targets):
+                outcome = await self._attempt(
+                    attempt, number, target, routings.get(target.pool.name, routing), routing,
+                    retry_left=number + 1 < len(targets), watch=watch,
+                )
+                if not isinstance(outcome, UpstreamFailure):
+                    return outcome
+                last_failure = outcome
+            assert last_failure is not None
+            raise last_failure
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # we asked for this cancellation; the handler goes on to answer 499
+            record.client_disconnected = True
+            record.status = 499
+            await self.finished(record)
+            return Response(status_code=499)
+        finally:
+            watch.stop()
+
+    async def _attempt(
+        self, attempt: _Attempts, number: int, target: Target, dispatched_as: RoutingRequest,
+        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch,
+    ) -> Response | StreamRelay | UpstreamFailure:
+        """One upstream call. Returns the response to send, or the failure to retry past."""
+        gw = self.gw
+        assert gw.session is not None
+        record = attempt.record
+        pool, replica = target.pool, target.replica
+        record.attempts = number + 1
+        record.retried = number > 0
+        record.pool, record.replica = pool.name, replica.url
+        record.reason = "retry" if number else target.reason
+        record.matched_blocks = target.matched_blocks
+        key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
+        headers = upstream_headers(attempt.raw_headers, key)
+        gw.telemetry.inject(record, headers)
+        extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url, **gw.traffic.response_headers(record)}
+        guard = replica.guard(attempt.tokens)
+        record.t_sent = gw.clock()
+        gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
+        gw.shared.on_dispatch(pool.name, replica.url, routing)
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await gw.session.post(replica.url + record.extra["path"], data=attempt.payload, headers=headers)
+            record.t_headers = gw.clock()
+            if upstream.status in RETRYABLE_STATUS and retry_left:
+                await upstream.read()
+                upstream.release()
+                attempt.answered_5xx.append(replica)
+                guard.release()
+                return UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
+            record.status = upstream.status
+            is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            if upstream.status < 500:
+                # A request every replica answers with a 5xx is the request's fault (one client's odd input must
+                # not eject replicas); one another replica serves was the failed replica's.
+                for failed in attempt.answered_5xx:
+                    failed.record_failure(gw.clock(), answered=True)
+                if not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
+                    replica.record_success()  # byte counts against its replica like a failure before it
+            if is_sse:
+                # Hold the client's 200 back until the first token's event: a replica that dies during
+                # prefill is then still retried elsewhere, unseen, instead of breaking a started stream.
+                first_chunk = await upstream.content.readany()
+                record.t_first_byte = gw.clock()
+                watch.stop()  # the StreamRelay watches for the disconnect from here on
+                return StreamRelay(
+                    upstream, response_headers(upstream.headers, extra), guard, record,
+                    attempt.strip_usage, self.finished, first_chunk=first_chunk,
+                )
+            try:
+                body = await upstream.read()
+            finally:
+                upstream.release()
+                guard.release()
+            record.t_first_byte = record.t_last_byte = gw.clock()
+            if upstream.status == 200 and "content-encoding" not in upstream.headers:
+                record.usage = usage_of(body)
+            await self.finished(record)
+            return RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
+        except (aiohttp.ClientError, OSError) as exc:
+            guard.release()
+            if upstream is not None:
+                upstream.release()
+            replica.record_failure(gw.clock())
+            return UpstreamFailure(
+                502, f"replica {replica.url} of pool '{pool.name}' is unreachable ({type(exc).__name__})",
+                "upstream_unreachable",
+            )
+        except asyncio.TimeoutError:
+            guard.release()
+            if upstream is not None:
+                upstream.release()
+            replica.record_failure(gw.clock())
+            return UpstreamFailure(
+                504, f"replica {replica.url} of pool '{pool.name}' did not answer in time", "upstream_timeout"
+            )
+        except BaseException:
+            guard.release()
+            if upstream is not None:
+                upstream.release()
+            raise
+
+    # 6. finished -------------------------------------------------------------------------------------------
+    async def finished(self, record: RequestRecord) -> None:
+        """Called exactly once per request, however it ended: frees its admission slot, feeds latency estimates
+        back, then telemetry. Idempotent, so a late error path cannot count a request twice."""
+        if record.extra.get("finished"):
+            return
+        record.extra["finished"] = True
+        gw = self.gw
+        gw.traffic.finished(record)
+        if record.status == 200 and record.t_first_byte and record.stream:
+            pool = gw.pools.get(record.pool)
+            replica = pool.replicas.get(record.replica) if pool else None
+            if replica is not None:
+                if record.client_disconnected:
+                    pass  # says nothing about the replica
+                elif record.error is None:
+                    replica.record_success()
+                else:  # the replica broke the stream mid-way: a failure like a 5xx answer (ejects when repeated)
+                    replica.record_failure(gw.clock(), answered=True)
+                usage = record.usage or {}
+                completion = usage.get("completion_tokens") or 0
+                prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                replica.observe_latency(
+                    max(0, prompt - cached), record.t_first_byte - record.t_sent,
+                    completion, record.t_last_byte - record.t_first_byte,
+                )
+        gw.telemetry.finish(record)
+
+
+class _Attempts:
+    """What every attempt of one request shares: the bytes to send, and the replicas that answered it with a 5xx
+    (blamed only if another replica answers this request without one)."""
+
+    __slots__ = ("request", "record", "payload", "strip_usage", "tokens", "raw_headers", "answered_5xx")
+
+    def __init__(self, request: Request, record: RequestRecord, payload: bytes, strip_usage: bool, tokens: int):
+        self.request = request
+        self.record = record
+        self.payload = payload
+        self.strip_usage = strip_usage
+        self.tokens = tokens
+        self.raw_headers = request.scope["headers"]
+        self.answered_5xx: list[Replica] = []
+
+
+def session_key(request: Request, body: dict[str, Any]) -> str | None:
+    """The sticky-session key: the `x-session-id` header, else the body's `user`."""
+    key = request.headers.get("x-session-id")
+    if key:
+        return key
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None

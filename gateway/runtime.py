@@ -1,0 +1,166 @@
+"""`Gateway`: everything one gateway process knows and keeps running, apart from any one request.
+
+Config, pools and their replicas, one replica policy per pool, the prefix indexes, the upstream HTTP session, the
+health monitor, DNS discovery, shared state, traffic control and telemetry; started and stopped together, and
+re-pointed as a whole when a reloaded config is applied. The request path itself is `gateway/coordinator.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+
+from gateway.admission import TrafficControl
+from gateway.discovery import DiscoveryManager
+from gateway.precise import PreciseRouting
+from gateway.relay import DisconnectWatches
+from gateway.telemetry import Telemetry
+from policies.admission import pool_saturated
+from policies.config import GatewayConfig
+from policies.replica_choice import ReplicaPolicy, RoutingRequest, build_policy
+from policies.tokens import TokenCounter
+from pools.monitor import ReplicaMonitor
+from pools.prefix_index import PrefixIndex
+from pools.replicas import PoolRuntime, Replica
+from pools.shared_state import SharedState, build_shared_state
+
+
+class Gateway:
+    """One gateway's state and lifecycle: built from a config, started, reloaded, stopped."""
+
+    def __init__(self, config: GatewayConfig, clock: Any = time.monotonic, resolver: Any = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.counter = TokenCounter(config.classification)
+        self.pools: dict[str, PoolRuntime] = {}
+        self.policies: dict[str, ReplicaPolicy] = {}
+        self.prefix_index = PrefixIndex()
+        self.precise = PreciseRouting(self.prefix_index, clock)  # pools routing from their replicas' KV events
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: ReplicaMonitor | None = None
+        self.watches = DisconnectWatches()
+        self._apply_config(config)
+        self.telemetry = Telemetry(self)
+        self._register_precise_metrics()
+        self.discovery = DiscoveryManager(lambda: self.pools, self.sync_prefix_index, resolver)
+        self.shared: SharedState = build_shared_state(
+            config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model
+        )
+        self.traffic = TrafficControl(config, clock, self.pool_saturated)
+
+    # config ------------------------------------------------------------------------------------------------
+    def _apply_config(self, config: GatewayConfig) -> None:
+        previous = self.pools
+        policy_changed = config.routing != self.config.routing
+        self.config = config
+        self.pools = {p.name: PoolRuntime.from_config(p, previous.get(p.name)) for p in config.pools_by_size()}
+        rebuilt = self.precise.configure(config, self.pools)
+        self.policies = {
+            name: (None if policy_changed or name in rebuilt else self.policies.get(name))
+            or build_policy(config.routing.policy, prefix_index=self.precise.matcher(name), **_policy_params(config))
+            for name in self.pools
+        }
+        self.served_models = frozenset(config.served_model_ids())
+        self.sync_prefix_index()
+
+    def sync_prefix_index(self) -> None:
+        """Bound each replica's prefix index by its KV capacity; forget replicas that left the config."""
+        self.prefix_index.sync({r.url: r.kv_blocks for r in self.all_replicas()})
+        self.precise.sync(self.pools)
+
+    def apply_config(self, config: GatewayConfig) -> list[str]:
+        """Swap in a validated config. Kept endpoints keep their state; requests in flight on removed ones finish.
+        Returns notes about settings that only take effect on restart."""
+        old = self.config
+        notes = []
+        if config.server.host != old.server.host or config.server.port != old.server.port:
+            notes.append("server.host/port changes take effect on restart")
+        if config.state != old.state:
+            notes.append("`state` changes take effect on restart")
+        if config.classification.encoding != old.classification.encoding:
+            self.counter = TokenCounter(config.classification)
+        self._apply_config(config)
+        notes.extend(self.traffic.apply_config(config))
+        if self.telemetry.apply_config(config):  # metrics turned on by this reload: a fresh registry
+            self._register_precise_metrics()
+        return notes
+
+    def telemetry_reload(self, ok: bool) -> None:
+        hook = getattr(self.telemetry, "config_reloaded", None)
+        if hook is not None:
+            hook(ok)
+
+    def _register_precise_metrics(self) -> None:
+        metrics = getattr(self.telemetry, "metrics", None)
+        if metrics is not None:
+            metrics.registry.register(self.precise.collector())
+
+    # lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        server = self.config.server
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=10, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),  # replicas set no cookies; a real jar filters them per request
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=server.upstream_connect_timeout_s, sock_read=server.upstream_read_timeout_s
+            ),
+        )
+        self.monitor = ReplicaMonitor(
+            self.session, self.all_replicas, server.health_interval_s, headers_for=self.probe_headers,
+            clock=self.clock, on_capacity=self.sync_prefix_index,
+        )
+        self.watches.start()
+        await self.discovery.sync()
+        await self.monitor.poll_once()
+        self.monitor.start()
+        await self.shared.start()
+        await self.traffic.start()
+        await self.precise.start(self.session, self.pools)
+
+    async def stop(self) -> None:
+        await self.watches.stop()
+        await self.precise.stop()
+        await self.discovery.stop()
+        await self.traffic.stop()
+        await self.shared.stop()
+        if self.monitor:
+            await self.monitor.stop()
+        if self.session:
+            await self.session.close()
+        await self.telemetry.shutdown()
+
+    # views the collaborators read --------------------------------------------------------------------------
+    def all_replicas(self) -> list[Replica]:
+        return [r for pool in self.pools.values() for r in pool.replicas.values()]
+
+    def pool_saturated(self, name: str) -> bool:
+        """Every available replica of the pool reports a long vLLM queue or a full KV cache (admission waits)."""
+        pool = self.pools.get(name)
+        if pool is None:
+            return False
+        return pool_saturated(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
+
+    def probe_headers(self, replica: Replica) -> dict[str, str]:
+        pool = self.pools.get(replica.pool)
+        return pool.probe_headers() if pool is not None else {}
+
+    def _apply_remote_dispatch(self, pool: str, replica: str, request: RoutingRequest) -> None:
+        """Another gateway sent `request` to `replica`: learn it as if this gateway had (prefix index, sessions)."""
+        policy = self.policies.get(pool)
+        if policy is not None and replica in self.pools[pool].replicas:
+            policy.dispatched(request, replica, self.clock())
+
+    def _local_in_flight(self) -> dict[str, int]:
+        return {r.url: r.in_flight for r in self.all_replicas()}
+
+
+def _policy_params(config: GatewayConfig) -> dict[str, float]:
+    """The routing tunables the config exposes (round_robin takes none)."""
+    if config.routing.policy == "round_robin":
+        return {}
+    return {"load_epsilon": config.routing.load_epsilon, "load_slack": config.routing.load_slack}
