@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -36,7 +37,14 @@ from gateway.relay import (
 from gateway.runtime import Gateway
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
-from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
+from policies.estimates import overlength_tokens
+from policies.pool_choice import (
+    PoolChoice,
+    after_overlength,
+    choose_pool,
+    with_exact_prompt_tokens,
+    with_learned_ratio,
+)
 from policies.prefix import prefix_blocks
 from policies.replica_choice import NoReplicaAvailable, RoutingRequest
 from pools.replicas import PoolRuntime, Replica
@@ -78,8 +86,10 @@ class Coordinator:
             profile = await self.classify(body, api, len(raw))
             record.stream = profile.stream
             record.thinking_mode = profile.thinking_mode
+            estimated = profile.prompt_tokens
             choice, profile = await self.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
             record.prompt_tokens_est = profile.prompt_tokens
+            record.prompt_tokens_raw = 0 if profile.model_counted else estimated
             record.first_pool, record.pool_reason = choice.pool.name, choice.reason
             record.max_tokens = profile.output_budget if profile.budget_explicit else None
             record.t_classified = gw.clock()
@@ -126,6 +136,14 @@ class Coordinator:
         saturated = frozenset(name for name, p in gw.pools.items() if not p.available(now))
         cfg = gw.config.classification
         choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
+        estimate, ratio = profile, 1.0
+        for _ in range(2):  # the estimate as the chosen pool's replicas have been counting (again if that moved it)
+            learned = gw.estimates.ratio(choice.pool.name)
+            if learned == ratio:
+                break
+            ratio = learned
+            profile = with_learned_ratio(estimate, ratio)
+            choice = choose_pool(profile, pools, cfg, forced=forced, saturated=saturated)
         if choice.needs_exact_count and api in ("chat", "completions"):
             exact = await self.exact_prompt_tokens(gw.pools[choice.pool.name], body, api)
             if exact is not None:
@@ -216,15 +234,21 @@ class Coordinator:
                 f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
                 "no_healthy_replica",
             )
-        attempt = _Attempts(request, record, payload, strip_usage, profile.prompt_tokens + profile.output_budget)
+        attempt = _Attempts(request, record, payload, strip_usage, profile, heal=choice.reason != "forced")
         watch = gw.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
         try:
             last_failure: UpstreamFailure | None = None
-            for number, target in enumerate(targets):
+            number, reason = 0, None
+            while targets:
+                target = targets.pop(0)
                 outcome = await self._attempt(
                     attempt, number, target, routings.get(target.pool.name, routing), routing,
-                    retry_left=number + 1 < len(targets), watch=watch,
+                    retry_left=bool(targets), watch=watch, reason=reason,
                 )
+                number += 1
+                if isinstance(outcome, list):  # refused as too long: the larger pools' replicas instead
+                    targets, reason = outcome, "overlength_retry"
+                    continue
                 if not isinstance(outcome, UpstreamFailure):
                     return outcome
                 last_failure = outcome
@@ -245,9 +269,10 @@ class Coordinator:
 
     async def _attempt(
         self, attempt: _Attempts, number: int, target: Target, dispatched_as: RoutingRequest,
-        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch,
-    ) -> Response | StreamRelay | UpstreamFailure:
-        """One upstream call. Returns the response to send, or the failure to retry past."""
+        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch, reason: str | None = None,
+    ) -> Response | StreamRelay | UpstreamFailure | list[Target]:
+        """One upstream call. Returns the response to send, the failure to retry past, or, when the replica refused
+        the prompt as longer than its context and a larger pool can take it, that pool's targets."""
         gw = self.gw
         assert gw.session is not None
         record = attempt.record
@@ -255,13 +280,13 @@ class Coordinator:
         record.attempts = number + 1
         record.retried = number > 0
         record.pool, record.replica = pool.name, replica.url
-        record.reason = "retry" if number else target.reason
+        record.reason = reason or ("retry" if number else target.reason)
         record.matched_blocks = target.matched_blocks
         key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
         headers = upstream_headers(attempt.raw_headers, key)
         gw.telemetry.inject(record, headers)
         extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url, **gw.traffic.response_headers(record)}
-        guard = replica.guard(attempt.tokens)
+        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget)
         record.t_sent = gw.clock()
         gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
         gw.shared.on_dispatch(pool.name, replica.url, routing)
@@ -299,6 +324,8 @@ class Coordinator:
             finally:
                 upstream.release()
                 guard.release()
+            if upstream.status == 400 and attempt.heal and (larger := self._larger_pool(attempt, pool, body, routing)):
+                return larger
             record.t_first_byte = record.t_last_byte = gw.clock()
             if upstream.status == 200 and "content-encoding" not in upstream.headers:
                 record.usage = usage_of(body)
@@ -327,6 +354,28 @@ class Coordinator:
                 upstream.release()
             raise
 
+    def _larger_pool(
+        self, attempt: _Attempts, pool: PoolRuntime, body: bytes, routing: RoutingRequest
+    ) -> list[Target] | None:
+        """The targets of the smallest larger pool that can hold a prompt this pool's replica refused as too long;
+        what the replica counted also teaches the pool's estimate ratio."""
+        counted = overlength_tokens(body)
+        if counted is None:
+            return None
+        gw = self.gw
+        record = attempt.record
+        if counted and record.prompt_tokens_raw:
+            self._learn_ratio(pool.name, record.prompt_tokens_raw, counted)
+        larger = after_overlength(attempt.profile, [p.config for p in gw.pools.values()], pool.config, counted)
+        if larger is None:
+            return None
+        return self.choose_replicas(larger, replace(routing, prompt_tokens=max(counted, routing.prompt_tokens))) or None
+
+    def _learn_ratio(self, pool: str, estimated: int, counted: int) -> None:
+        if self.gw.estimates.observe(pool, estimated, counted):
+            log.warning("pool %s: its replicas count %.2f× the gateway's token estimate; pool choice now corrects "
+                        "for it (set classification.calibration_factor to match)", pool, self.gw.estimates.ratio(pool))
+
     # 6. finished -------------------------------------------------------------------------------------------
     async def finished(self, record: RequestRecord) -> None:
         """Called exactly once per request, however it ended: frees its admission slot, feeds latency estimates
@@ -354,6 +403,10 @@ class Coordinator:
                     max(0, prompt - cached), record.t_first_byte - record.t_sent,
                     completion, record.t_last_byte - record.t_first_byte,
                 )
+        if record.status == 200 and record.prompt_tokens_raw and record.usage:
+            counted = record.usage.get("prompt_tokens")
+            if isinstance(counted, int):
+                self._learn_ratio(record.pool, record.prompt_tokens_raw, counted)
         gw.telemetry.finish(record)
 
 
@@ -361,14 +414,16 @@ class _Attempts:
     """What every attempt of one request shares: the bytes to send, and the replicas that answered it with a 5xx
     (blamed only if another replica answers this request without one)."""
 
-    __slots__ = ("request", "record", "payload", "strip_usage", "tokens", "raw_headers", "answered_5xx")
+    __slots__ = ("request", "record", "payload", "strip_usage", "profile", "heal", "raw_headers", "answered_5xx")
 
-    def __init__(self, request: Request, record: RequestRecord, payload: bytes, strip_usage: bool, tokens: int):
+    def __init__(self, request: Request, record: RequestRecord, payload: bytes, strip_usage: bool,
+                 profile: RequestProfile, heal: bool):
         self.request = request
         self.record = record
         self.payload = payload
         self.strip_usage = strip_usage
-        self.tokens = tokens
+        self.profile = profile
+        self.heal = heal  # an over-length refusal may be retried in a larger pool (not when the caller forced one)
         self.raw_headers = request.scope["headers"]
         self.answered_5xx: list[Replica] = []
 

@@ -57,6 +57,7 @@ _CODE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 ROUTING_REASONS = frozenset({
     "round_robin", "least_loaded", "session", "affinity_hit", "load_spill", "cold_rendezvous", "all_saturated",
     "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
+    "overlength_retry",  # a replica refused the prompt as too long; retried in a larger pool
 })
 
 
@@ -94,6 +95,8 @@ def gateway_overhead_s(record: RequestRecord, first_send: float) -> float:
 
 def routing_reason(record: RequestRecord) -> str:
     """One reason per routed request: retry and pool spill first (what ops watch), else the replica policy's own."""
+    if record.reason == "overlength_retry":
+        return "overlength_retry"
     if record.retried:
         return "retry"
     if (record.first_pool and record.pool != record.first_pool) or record.pool_reason.startswith("spill"):
@@ -479,6 +482,13 @@ class ReplicaCollector:
             replicas.add_metric([name], float(count))
             live.add_metric([name], float(up))
         yield from (healthy, available, ejections, in_flight, waiting, running, kv, queries, hits, age, replicas, live)
+        estimates = getattr(gw, "estimates", None)
+        if estimates is not None:
+            ratio = GaugeMetricFamily("m3gate_token_estimate_ratio", "Prompt tokens the pool's replicas count ÷ the "
+                                      "gateway's estimate (learned from answers; 1 until trusted).", labels=["pool"])
+            for name, value in estimates.view().items():
+                ratio.add_metric([name], value)
+            yield ratio
         info = GaugeMetricFamily("m3gate_build_info", "The running m3gate version.", labels=["version"])
         info.add_metric([self._version], 1.0)
         yield info

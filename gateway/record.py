@@ -23,6 +23,7 @@ class RequestRecord:
     traffic_class: str = ""
     thinking_mode: str = ""
     prompt_tokens_est: int = 0
+    prompt_tokens_raw: int = 0  # the estimate before any learned correction; 0 when the model's tokenizer counted it
     matched_blocks: int = 0
     first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
     pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated

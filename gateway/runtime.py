@@ -19,6 +19,7 @@ from gateway.relay import DisconnectWatches
 from gateway.telemetry import Telemetry
 from policies.admission import pool_saturated
 from policies.config import GatewayConfig
+from policies.estimates import TokenEstimateRatios
 from policies.replica_choice import ReplicaPolicy, RoutingRequest, build_policy
 from policies.tokens import TokenCounter
 from pools.monitor import ReplicaMonitor
@@ -34,6 +35,7 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.counter = TokenCounter(config.classification)
+        self.estimates = TokenEstimateRatios()  # what the replicas count ÷ the gateway's estimate, per pool
         self.pools: dict[str, PoolRuntime] = {}
         self.policies: dict[str, ReplicaPolicy] = {}
         self.prefix_index = PrefixIndex()
@@ -63,6 +65,7 @@ class Gateway:
             for name in self.pools
         }
         self.served_models = frozenset(config.served_model_ids())
+        self.estimates.keep_only(set(self.pools))
         self.sync_prefix_index()
 
     def sync_prefix_index(self) -> None:

@@ -52,6 +52,30 @@ def with_exact_prompt_tokens(profile: RequestProfile, prompt_tokens: int) -> Req
     return replace(profile, prompt_tokens=prompt_tokens, estimate_exact=True, model_counted=True)
 
 
+def with_learned_ratio(profile: RequestProfile, ratio: float) -> RequestProfile:
+    """The estimate corrected by what a pool's replicas have been counting for the gateway's estimates
+    (policies/estimates.py); a count made by the model's own tokenizer needs no correction."""
+    if profile.model_counted or ratio == 1.0:
+        return profile
+    return replace(profile, prompt_tokens=math.ceil(profile.prompt_tokens * ratio))
+
+
+def after_overlength(
+    profile: RequestProfile, pools: Sequence[PoolConfig], refused_by: PoolConfig, counted: int
+) -> PoolChoice | None:
+    """Where to retry a request whose prompt a replica of `refused_by` found longer than its context (`counted`: the
+    tokens it counted, a lower bound; 0 when unknown): the larger pools that take its modalities and hold more than
+    that, smallest first. None when there is none (the replica's 400 is then the answer)."""
+    larger = tuple(
+        p for p in sorted(pools, key=_CONTEXT)
+        if p.max_model_len > refused_by.max_model_len and p.max_model_len > counted
+        and profile.modalities.issubset(p.modalities)
+    )
+    if not larger:
+        return None
+    return PoolChoice(larger[0], larger, False, f"overlength:{refused_by.name}")
+
+
 def choose_pool(
     profile: RequestProfile,
     pools: Sequence[PoolConfig],
