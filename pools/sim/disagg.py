@@ -111,7 +111,12 @@ class NixlConnector:
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV transfer task failed", exc_info=task.exception())
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -238,10 +243,19 @@ class NixlConnector:
     # ---- decode side -------------------------------------------------------------------------------------------
 
     async def _pull(self, req: SimRequest, num_blocks: int) -> None:
+        ok = False
+        try:
+            ok = await self._read(req, num_blocks)
+        finally:  # whatever happens, the request leaves "loading"
+            self._stop_heartbeat(req)
+            self.engine.finish_load(req, ok)
+
+    async def _read(self, req: SimRequest, num_blocks: int) -> bool:
+        """Handshake (checks the engine id), the read's modelled time, then the notification. False when the
+        handshake failed."""
         params = req.kv_transfer or {}
         base = _base_url(params)
         remote_id = str(params.get("remote_request_id"))
-        ok = True
         try:
             async with self._client().get(f"{base}/sim/kv/handshake") as resp:
                 meta = await resp.json(content_type=None)
@@ -250,7 +264,6 @@ class NixlConnector:
                 raise RuntimeError(f"Remote NIXL agent engine ID mismatch. Expected {expected},received "
                                    f"{meta.get('engine_id')}.")
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
-            ok = False
             self.counters.failed_pulls += 1
             self.nixl.failed_transfers.inc()
             log.error("NIXL transfer failure: handshake_failed | Context: %s", {
@@ -258,17 +271,16 @@ class NixlConnector:
                 "remote_engine_id": params.get("remote_engine_id"), "remote_request_id": remote_id,
                 "remote_host": params.get("remote_host"), "remote_port": params.get("remote_port"),
                 "error": repr(exc)})
-        if ok:
-            cost = self.settings.cost
-            seconds = 0.0 if cost.instant else num_blocks * self.config.ms_per_block / 1000 / cost.speed
-            if seconds > 0:
-                await asyncio.sleep(seconds)
-            self.nixl.xfer_time.observe(seconds)
-            self.counters.pulls += 1
-            self.counters.pulled_blocks += num_blocks
-            await self._notify(base, remote_id)
-        self._stop_heartbeat(req)
-        self.engine.finish_load(req, ok)
+            return False
+        cost = self.settings.cost
+        seconds = 0.0 if cost.instant else num_blocks * self.config.ms_per_block / 1000 / cost.speed
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        self.nixl.xfer_time.observe(seconds)
+        self.counters.pulls += 1
+        self.counters.pulled_blocks += num_blocks
+        await self._notify(base, remote_id)
+        return True
 
     async def _notify(self, base: str, remote_id: str) -> None:
         """Tell the prefill side a request's blocks were read; a lost notification does not fail the request

@@ -200,6 +200,9 @@ class Engine:
         failure it fails with finish_reason "error", or with the "recompute" policy starts over locally."""
         if req.status != "loading":
             return  # aborted meanwhile
+        if not ok and not self.recompute_load_failures:
+            self._finish(req, "error", self.clock())
+            return
         self.loading.remove(req)
         if ok:
             full = min(len(req.block_hashes), req.prompt_tokens // self.block_size)
@@ -207,14 +210,11 @@ class Engine:
             req.num_registered_blocks = full
             req.num_computed = req.prompt_tokens - 1
             req.kv_loaded = True
-        elif self.recompute_load_failures:
+        else:
             self.kv.free(req.blocks)
             req.blocks = []
             req.num_computed = 0
             req.cached_tokens = req.external_tokens = 0
-        else:
-            self._finish(req, "error", self.clock())
-            return
         req.status = "waiting"
         self.waiting.appendleft(req)
         self._work.set()
