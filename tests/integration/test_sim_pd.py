@@ -55,9 +55,14 @@ def complete(replica: SimProcess, text: str, **body: Any) -> httpx.Response:
     return httpx.post(f"{replica.url}/v1/completions", json={"model": MODEL, "prompt": text, **body}, timeout=20)
 
 
+TOY_PROXY_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
 def prefill_step(replica: SimProcess, text: str) -> dict[str, Any]:
-    """What a P/D proxy sends a prefill replica (vLLM's toy proxy: max_tokens 1, no streaming)."""
-    r = complete(replica, text, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    """What a P/D proxy sends a prefill replica (vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py:
+    these params, max_tokens 1, no streaming)."""
+    r = complete(replica, text, max_tokens=1, stream=False, kv_transfer_params=TOY_PROXY_PREFILL_PARAMS)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -185,6 +190,14 @@ def test_heartbeats_keep_the_lease_while_the_decode_side_is_busy() -> None:
     finally:
         p.stop()
         d.stop()
+
+
+def test_roles_are_labels_as_in_nixl(decode: SimProcess) -> None:
+    """NixlConnector acts on each request's params whatever kv_role says, so a decode replica can prefill too."""
+    params = prefill_step(decode, prompt("x1", 40))["kv_transfer_params"]
+    assert params["remote_port"] == decode.port and params["do_remote_prefill"] is True
+    httpx.post(f"{decode.url}/sim/kv/read", json={"request_id": params["remote_request_id"]})
+    assert kv_stats(decode)["held_requests"] == 0
 
 
 def test_a_decode_request_refused_before_the_engine_frees_the_prefill_blocks(prefill: SimProcess,
