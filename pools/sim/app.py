@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pools.sim.behaviour import check_tools, plan_output
+from pools.sim.disagg import NixlConnector
 from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.faults import FaultUpdate, Faults
 from pools.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
@@ -55,6 +56,7 @@ from pools.sim.protocol import (
 )
 from pools.sim.settings import VLLM_VERSION, SimSettings
 from pools.sim.shapes import (
+    GENERATION_ERROR_MESSAGE,
     ChatShape,
     Choice,
     CompletionShape,
@@ -127,7 +129,8 @@ class SimApp:
             block_size=settings.block_size, num_gpu_blocks=settings.kv_blocks,
             enable_prefix_caching=settings.enable_prefix_caching,
             hash_algo=settings.prefix_caching_hash_algo or "sha256", max_model_len=settings.max_model_len)
-        self.metrics = SimMetrics(self.served_name, settings.max_model_len, cache_labels)
+        self.metrics = SimMetrics(self.served_name, settings.max_model_len, cache_labels,
+                                  kv_connector=settings.kv_transfer.enabled)
         self.kv_events = _event_publisher(settings)  # None unless --kv-events-config turns events on
         self.engine = Engine(num_blocks=settings.kv_blocks, block_size=settings.block_size,
                              max_num_seqs=settings.max_num_seqs,
@@ -135,6 +138,10 @@ class SimApp:
                              metrics=self.metrics, enable_prefix_caching=settings.enable_prefix_caching,
                              max_num_queued_reqs=settings.max_num_queued_reqs,
                              max_num_queued_tokens=settings.max_num_queued_tokens, cache_sink=self.kv_events)
+        # --role prefill/decode: vLLM's NixlConnector (disagg.py); --role both: no connector, params ignored
+        self.kv_connector = NixlConnector(settings, self.engine, self.metrics) if settings.kv_transfer.enabled else None
+        self.engine.connector = self.kv_connector
+        self.engine.recompute_load_failures = settings.kv_transfer.load_failure_policy == "recompute"
         self.faults = Faults(settings.faults, settings.seed)
         self.http = HttpCounters()
         self._mm_seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # vLLM's mm processor cache
@@ -179,6 +186,7 @@ class SimApp:
             Route("/sim/faults", self.faults_route, methods=["GET", "POST"]),
             Route("/sim/stats", self.stats_route, methods=["GET"]),
             Route("/sim/reset", self.reset_route, methods=["POST"]),
+            *(self.kv_connector.routes() if self.kv_connector is not None else ()),
         ]
 
     def _guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -188,6 +196,8 @@ class SimApp:
             except Hang:
                 return HangResponse()
             except ApiError as exc:
+                if self.kv_connector is not None:  # refused before the engine: the prefill side may free
+                    self.kv_connector.rejected(getattr(request.state, "kv_transfer_params", None))
                 if exc.status < 500:
                     self.http.bad_requests += 1
                 if request.url.path == "/v1/messages":
@@ -205,6 +215,8 @@ class SimApp:
             yield
         finally:
             await self.engine.stop()
+            if self.kv_connector is not None:
+                await self.kv_connector.stop()
             if self.kv_events is not None:
                 await self.kv_events.stop()
 
@@ -368,8 +380,18 @@ class SimApp:
     def _response_id(self, request: Request, body_id: str | None, prefix: str) -> str:
         return prefix + (request.headers.get("x-request-id") or body_id or uuid.uuid4().hex)
 
+    def _kv_params(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The request's kv_transfer_params when a connector acts on them (vLLM ignores them without one).
+        Kept on the request so a refusal before the engine can still free the prefill side's blocks."""
+        if self.kv_connector is None or not params:
+            return None
+        params.pop("prompt_token_ids", None)  # forwarded ids for skipping tokenization; the sim tokenizes anyway
+        request.state.kv_transfer_params = params
+        return params
+
     def _generation(self, *, arrival: float, response_id: str, model: str, prompt: Prompt, max_tokens: int,
-                    stream: bool, plan_kwargs: dict[str, Any], n: int = 1, **fields: Any) -> Generation:
+                    stream: bool, plan_kwargs: dict[str, Any], n: int = 1,
+                    kv_transfer: dict[str, Any] | None = None, **fields: Any) -> Generation:
         """Plan and submit the request's `n` samples. Like vLLM's parallel sampling, each is its own engine request
         (`{i}_{id}` when n > 1); they share one wake-up event so a stream follows all of them."""
         s = self.settings
@@ -386,6 +408,8 @@ class SimApp:
                              prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
                              output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
                              arrival=arrival, group=group, wake=wake)
+            if self.kv_connector is not None:
+                self.kv_connector.configure(sim, kv_transfer)
             try:
                 self.engine.submit(sim)
             except EngineBusy as exc:
@@ -409,6 +433,7 @@ class SimApp:
         await self._pre_generate()
         precheck_chat(body)
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        kv_transfer = self._kv_params(request, req.kv_transfer_params)
         check_tools(req.tools)  # vLLM's model validation refuses such a tool, whatever tool_choice, before the model
         model = self._check_model(req.model)
         use_mct = req.max_completion_tokens is not None
@@ -429,7 +454,7 @@ class SimApp:
         last_role = req.messages[-1].get("role") if req.messages and isinstance(req.messages[-1], dict) else None
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, req.request_id, "chatcmpl-"), model=model,
-            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices,
+            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices, kv_transfer=kv_transfer,
             plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
                          "tool_choice": req.tool_choice, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
             include_reasoning=req.include_reasoning, include_usage=req.include_usage,
@@ -447,6 +472,7 @@ class SimApp:
         await self._pre_generate()
         body = precheck_completion(body)
         req: CompletionRequest = validate(CompletionRequest, body)
+        kv_transfer = self._kv_params(request, req.kv_transfer_params)
         model = self._check_model(req.model)
         if req.stream and req.use_beam_search:
             raise bad_request("Streaming is not currently supported with beam search")
@@ -467,7 +493,7 @@ class SimApp:
         check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, req.request_id, "cmpl-"), model=model,
-            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices,
+            prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices, kv_transfer=kv_transfer,
             plan_kwargs={"chat": False, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
             include_usage=req.include_usage, continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
             echo_prompt=(p if isinstance(p, str) else self.tokenizer.decode(list(p))) if req.echo else None)
@@ -590,7 +616,8 @@ class SimApp:
 
     async def metrics_route(self, request: Request) -> Response:
         e = self.engine
-        return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage, deferred=len(e.loading)),
+                        media_type=CONTENT_TYPE)
 
     # ---- /sim admin ------------------------------------------------------------------------------------------
 
@@ -639,7 +666,8 @@ class SimApp:
                 "cached_tokens": c.cached_tokens, "preemptions": c.preemptions, "steps": c.steps,
                 "running": len(e.running), "waiting": len(e.waiting), "kv_usage": e.kv.usage,
                 "kv_free_blocks": e.kv.num_free, "prefix_cached_blocks": len(e.prefix_cache or ()),
-                "faults": self.faults.as_json()}
+                "faults": self.faults.as_json(),
+                "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 
     async def reset_route(self, request: Request) -> Response:
         self.engine.reset()
@@ -722,6 +750,12 @@ class GenerationResponse(Response):
         await wait_finished(self.gen)
         if self.gen.aborted:
             raise DropConnection()
+        if self.gen.failed:  # finish_reason "error" (a failed KV load): vLLM's GenerationError → 500
+            error = ApiError(500, GENERATION_ERROR_MESSAGE, "InternalServerError").body()
+            await send({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-type", JSON.encode()), (b"content-length", str(len(error)).encode())]})
+            await send({"type": "http.response.body", "body": error, "more_body": False})
+            return
         body = self.shape.body(self.gen)
         headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -8,7 +8,7 @@ import os
 import sys
 
 from pools.sim.faults import FaultSettings
-from pools.sim.settings import CostModel, SimSettings
+from pools.sim.settings import CostModel, KVTransferSettings, SimSettings
 
 
 def _modalities(text: str) -> tuple[str, ...]:
@@ -69,6 +69,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--instant", action="store_true",
                    help="no modelled delays: each request is answered as fast as the process can (benchmarks)")
 
+    g = parser.add_argument_group("prefill/decode disaggregation (vLLM's NixlConnector, pull mode)")
+    g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="both: no KV connector, kv_transfer_params are ignored (vLLM without --kv-transfer-config); "
+                        "prefill / decode: the connector as kv_producer / kv_consumer. Either honours both kinds of "
+                        "request, as NIXL does (default both)")
+    g.add_argument("--engine-id", default=None,
+                   help="the connector's engine id, sent as remote_engine_id (default: a new uuid4 per start, as "
+                        "vLLM, so a decode replica notices a restarted prefill replica)")
+    g.add_argument("--kv-transfer-ms-per-block", type=float, default=0.05,
+                   help="decode side: time to pull one KV block from the prefill replica, milliseconds, divided by "
+                        "--speed (default 0.05)")
+    g.add_argument("--kv-lease-duration", type=float, default=30.0,
+                   help="prefill side: seconds its KV blocks stay held for the decode side (vLLM's "
+                        "kv_connector_extra_config.kv_lease_duration; decode heartbeats extend it) (default 30)")
+    g.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+                   help="decode side, when the pull fails (prefill replica gone or restarted): fail the request "
+                        "with a 500, or recompute the prompt locally (vLLM's kv_load_failure_policy) (default fail)")
+
     g = parser.add_argument_group("model behaviour")
     g.add_argument("--seed", type=int, default=0, help="seed of every deterministic choice (default 0)")
     g.add_argument("--modalities", type=_modalities, default=("text",),
@@ -123,10 +141,22 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         adaptive_thinking_probability=args.adaptive_thinking_probability, image_tokens=args.image_tokens,
         video_tokens=args.video_tokens, api_key=args.api_key, kv_events_config=args.kv_events_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        kv_transfer=KVTransferSettings(role=args.role, engine_id=args.engine_id,
+                                       ms_per_block=args.kv_transfer_ms_per_block,
+                                       lease_duration_s=args.kv_lease_duration,
+                                       load_failure_policy=args.kv_load_failure_policy,
+                                       tp_size=_int_or(args.tensor_parallel_size, 1)),
         faults=FaultSettings(error_rate=args.fault_error_rate, added_latency_ms=args.fault_added_latency_ms,
                              hang=args.fault_hang, drop_mid_stream=args.fault_drop_mid_stream,
                              refuse_connections=args.fault_refuse_connections, refuse_for_s=args.fault_refuse_for_s,
                              unhealthy=args.fault_unhealthy))
+
+
+def _int_or(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 def check_settings(s: SimSettings) -> str | None:
@@ -142,6 +172,8 @@ def check_settings(s: SimSettings) -> str | None:
                 f"--max-model-len.")
     if s.max_num_batched_tokens < s.block_size:
         return "--max-num-batched-tokens must be at least --block-size"
+    if s.kv_transfer.ms_per_block < 0 or s.kv_transfer.lease_duration_s <= 0:
+        return "--kv-transfer-ms-per-block must be >= 0 and --kv-lease-duration positive"
     if s.kv_events_config is not None:
         from pools.sim.kv_events import parse_kv_events_config
 

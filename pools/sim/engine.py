@@ -9,6 +9,12 @@ most recently admitted one, which loses its blocks and is recomputed later (pref
 The step then "runs" for the cost model's time (prefill ∝ uncached tokens, decode grows with the batch) and every
 scheduled request advances: a finished prefill samples the first token, a decode samples the next. Handlers learn
 of new tokens through the request's `wake` event; the engine never touches HTTP.
+
+With a KV connector (prefill/decode disaggregation, `disagg.py`) two more paths exist, both vLLM's: a decode-side
+request whose prompt KV lives on a prefill replica is admitted by allocating the whole prompt and parked out of the
+batch ("loading", vLLM's WAITING_FOR_REMOTE_KVS) while the connector pulls it, then rejoins the queue's head with
+all but its last prompt token computed; a prefill-side request that finishes hands its blocks to the connector,
+which holds them until the decode side has read them or the lease expires.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pools.sim.kv import KVCacheManager, blocks_for
 from pools.sim.metrics import SimMetrics
@@ -50,6 +57,18 @@ class RequestGroup:
     max_generation_tokens: int = 0
 
 
+class KVConnector(Protocol):
+    """The engine's view of a KV-transfer connector (vLLM's KVConnectorBase_V1 scheduler side)."""
+
+    def start_load(self, req: SimRequest, num_blocks: int) -> None:
+        """Pull `num_blocks` (the prompt blocks not already cached here) for `req`; call Engine.finish_load after."""
+
+    def request_finished(self, req: SimRequest, reason: str, now: float) -> tuple[bool, dict[str, Any] | None]:
+        """(whether the connector now holds req.blocks and will free them itself, the response's
+        kv_transfer_params)."""
+        ...
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One generation request as the engine sees it: token counts, never text."""
@@ -63,13 +82,19 @@ class SimRequest:
     arrival: float
     priority: int = 0
     group: RequestGroup | None = None
+    kv_transfer: dict[str, Any] | None = None  # kv_transfer_params, when a connector acts on them
+    remote_prefill: bool = False  # decode side: the prompt's KV is to be pulled from a prefill replica
+    reported_cached_tokens: int | None = None  # decode side: the prefill side's prefix hits, reported in usage
     # engine state
-    status: str = "new"  # new | waiting | running | finished
+    status: str = "new"  # new | waiting | loading | running | finished
     blocks: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # prompt blocks already stored in the prefix cache
     num_computed: int = 0  # tokens whose KV is computed
     prefill_target: int = 0  # tokens to compute before the next token is sampled (prompt, + outputs after preemption)
-    cached_tokens: int = 0  # prefix-cache hit when first scheduled
+    cached_tokens: int = 0  # prefix-cache hit when first scheduled (+ tokens pulled by KV transfer)
+    external_tokens: int = 0  # prompt tokens whose KV came by KV transfer
+    kv_loaded: bool = False  # the pull finished: all prompt tokens but the last are computed
+    kv_transfer_out: dict[str, Any] | None = None  # the connector's kv_transfer_params for the response
     num_output: int = 0
     num_preemptions: int = 0
     scheduled_at: float | None = None
@@ -82,6 +107,12 @@ class SimRequest:
     @property
     def finished(self) -> bool:
         return self.status == "finished"
+
+    @property
+    def usage_cached_tokens(self) -> int:
+        """usage.prompt_tokens_details.cached_tokens: vLLM's output processor reports the prefill side's
+        `remote_prefill_cached_tokens` on the decode side, not its own ~100% hit from the transfer."""
+        return self.cached_tokens if self.reported_cached_tokens is None else self.reported_cached_tokens
 
 
 @dataclass
@@ -113,6 +144,9 @@ class Engine:
         self.clock = clock
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.loading: list[SimRequest] = []  # parked while the connector pulls their prompt's KV
+        self.connector: KVConnector | None = None
+        self.recompute_load_failures = False  # kv_load_failure_policy "recompute" (vLLM's default is "fail")
         self.counters = EngineCounters()
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -152,8 +186,38 @@ class Engine:
 
     def abort(self, req: SimRequest) -> None:
         """The client went away: free everything the request holds (counted as finished_reason=abort)."""
-        if req.status in ("waiting", "running"):
+        if req.status in ("waiting", "loading", "running"):
             self._finish(req, "abort", self.clock())
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """The connector frees blocks it held for a decode side (they stay in the prefix cache, now evictable)."""
+        self.kv.free(blocks)
+        self._work.set()
+
+    def finish_load(self, req: SimRequest, ok: bool) -> None:
+        """The connector's pull ended. On success the prompt's blocks join the prefix cache and the request goes
+        back to the queue's head with its last prompt token left to compute (vLLM recomputes it to sample); on
+        failure it fails with finish_reason "error", or with the "recompute" policy starts over locally."""
+        if req.status != "loading":
+            return  # aborted meanwhile
+        if not ok and not self.recompute_load_failures:
+            self._finish(req, "error", self.clock())
+            return
+        self.loading.remove(req)
+        if ok:
+            full = min(len(req.block_hashes), req.prompt_tokens // self.block_size)
+            self.kv.cache_blocks(req.blocks, req.block_hashes, 0, full)
+            req.num_registered_blocks = full
+            req.num_computed = req.prompt_tokens - 1
+            req.kv_loaded = True
+        else:
+            self.kv.free(req.blocks)
+            req.blocks = []
+            req.num_computed = 0
+            req.cached_tokens = req.external_tokens = 0
+        req.status = "waiting"
+        self.waiting.appendleft(req)
+        self._work.set()
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -217,9 +281,16 @@ class Engine:
 
         while self.waiting and len(self.running) < self.max_num_seqs and (instant or budget > 0):
             req = self.waiting[0]
+            if req.remote_prefill and self.connector is not None:
+                if not self._start_load(req):
+                    break
+                continue
             first_time = req.scheduled_at is None
-            cached = self.kv.find_cached(req.block_hashes, req.prefill_target) if req.num_computed == 0 else []
-            hit_tokens = len(cached) * self.block_size
+            if req.kv_loaded:
+                cached, hit_tokens = [], req.num_computed
+            else:
+                cached = self.kv.find_cached(req.block_hashes, req.prefill_target) if req.num_computed == 0 else []
+                hit_tokens = len(cached) * self.block_size
             remaining = req.prefill_target - hit_tokens
             if instant:
                 n = remaining + max(0, req.output_tokens - req.num_output - 1)
@@ -233,16 +304,44 @@ class Engine:
             req.num_computed = hit_tokens
             if first_time:
                 req.scheduled_at = now
-                req.cached_tokens = hit_tokens
-                self.counters.cached_tokens += hit_tokens
-                self.metrics.prefix_cache_queries.inc(req.prompt_tokens)
-                self.metrics.prefix_cache_hits.inc(hit_tokens)
-                self.metrics.prompt_tokens_cached_by_source["device"].inc(hit_tokens)
+                if not req.kv_loaded:
+                    req.cached_tokens = hit_tokens
+                    self._count_lookup(req, hit_tokens)
                 self.metrics.queue_time.observe(now - req.arrival)
             scheduled.append((req, n))
             prefill_tokens += min(n, remaining)
             budget -= n
         return scheduled, prefill_tokens
+
+    def _count_lookup(self, req: SimRequest, hit_tokens: int) -> None:
+        self.counters.cached_tokens += hit_tokens
+        self.metrics.prefix_cache_queries.inc(req.prompt_tokens)
+        self.metrics.prefix_cache_hits.inc(hit_tokens)
+        self.metrics.prompt_tokens_cached_by_source["device"].inc(hit_tokens)
+
+    def _start_load(self, req: SimRequest) -> bool:
+        """vLLM's async KV load: allocate the whole prompt (adopting local prefix hits), park the request out of
+        the batch and let the connector pull the blocks that were not hits. Uses no token budget and no batch
+        slot. False when the blocks do not fit (the queue head then blocks, as any other)."""
+        assert self.connector is not None
+        cached = self.kv.find_cached(req.block_hashes, req.prompt_tokens)
+        hit_tokens = len(cached) * self.block_size
+        if not self.kv.allocate(req.blocks, req.prompt_tokens, cached):
+            return False
+        self.waiting.popleft()
+        req.remote_prefill = False  # one transfer per request, as update_state_after_alloc does
+        req.status = "loading"
+        req.num_computed = req.prompt_tokens
+        req.external_tokens = req.prompt_tokens - hit_tokens
+        req.cached_tokens = req.prompt_tokens  # PrefillStats: local hits + external tokens
+        self._count_lookup(req, hit_tokens)
+        m = self.metrics
+        m.external_prefix_cache_queries.inc(req.external_tokens)
+        m.external_prefix_cache_hits.inc(req.external_tokens)
+        m.prompt_tokens_cached_by_source["p2p"].inc(req.external_tokens)  # NixlConnector's cache-hit source
+        self.loading.append(req)
+        self.connector.start_load(req, len(req.blocks) - len(cached))
+        return True
 
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
@@ -252,6 +351,7 @@ class Engine:
         req.num_computed = 0
         req.prefill_target = req.prompt_tokens + req.num_output
         req.num_preemptions += 1
+        req.kv_loaded = False
         req.status = "waiting"
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
@@ -284,7 +384,8 @@ class Engine:
             m.ttft.observe(now - req.arrival)
             m.prompt_tokens.inc(req.prompt_tokens)
             m.prompt_tokens_by_source["local_compute"].inc(req.prompt_tokens - req.cached_tokens)
-            m.prompt_tokens_by_source["local_cache_hit"].inc(req.cached_tokens)
+            m.prompt_tokens_by_source["local_cache_hit"].inc(req.cached_tokens - req.external_tokens)
+            m.prompt_tokens_by_source["external_kv_transfer"].inc(req.external_tokens)
             m.prompt_tokens_cached.inc(req.cached_tokens)
         elif req.last_token_at is not None:
             m.itl.observe(now - req.last_token_at)
@@ -302,7 +403,13 @@ class Engine:
             self.running.remove(req)
         elif req.status == "waiting":
             self.waiting.remove(req)
-        self.kv.free(req.blocks)
+        elif req.status == "loading":
+            self.loading.remove(req)
+        held = False
+        if self.connector is not None and req.kv_transfer is not None:
+            held, req.kv_transfer_out = self.connector.request_finished(req, reason, now)
+        if not held:
+            self.kv.free(req.blocks)
         req.blocks = []
         req.status = "finished"
         req.finish_reason = reason
@@ -311,7 +418,7 @@ class Engine:
         m.request_success[reason].inc()
         m.e2e.observe(now - req.arrival)
         m.request_num_preemptions.observe(req.num_preemptions)
-        m.request_prefill_kv_computed_tokens.observe(req.prompt_tokens - req.cached_tokens)
+        m.request_prefill_kv_computed_tokens.observe(max(0, req.prompt_tokens - req.usage_cached_tokens))
         m.request_params_max_tokens.observe(req.max_tokens)
         group = req.group
         if group is None:

@@ -38,6 +38,7 @@ NUM_PREEMPTIONS_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+NIXL_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 
 
 def cache_config_labels(*, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool, hash_algo: str,
@@ -64,7 +65,8 @@ def cache_config_labels(*, block_size: int, num_gpu_blocks: int, enable_prefix_c
 
 
 class SimMetrics:
-    def __init__(self, model_name: str, max_model_len: int, cache_labels: dict[str, str]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, cache_labels: dict[str, str],
+                 kv_connector: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         names = ["model_name", "engine"]
@@ -192,9 +194,42 @@ class SimMetrics:
             for mode in ("streaming", "non_streaming") for outcome in ("tool_call", "no_tool_call")
             for kind in ("chat_completions", "responses", "other")}
 
-    def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
+        # NixlConnector's metrics (`nixl/stats.py`) exist only with a KV connector, as in vLLM.
+        self.nixl = NixlMetrics(r, lv) if kv_connector else None
+
+    def render(self, running: int, waiting: int, kv_usage: float, deferred: int = 0) -> bytes:
+        """`deferred`: requests waiting on something other than capacity (here: a KV transfer in flight)."""
         self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
+        self.num_requests_waiting.set(waiting + deferred)
         self.num_requests_waiting_by_reason["capacity"].set(waiting)
+        self.num_requests_waiting_by_reason["deferred"].set(deferred)
         self.kv_cache_usage.set(kv_usage)
         return generate_latest(self.registry)
+
+
+class NixlMetrics:
+    """vLLM's NixlPromMetrics. The sim has no post time, byte counts or descriptors, so those histograms are left
+    out; the counters count what the connector does (disagg.py)."""
+
+    def __init__(self, r: CollectorRegistry, lv: dict[str, str]) -> None:
+        names = list(lv)
+        self.xfer_time = Histogram("vllm:nixl_xfer_time_seconds",
+                                   "Histogram of transfer duration for NIXL KV Cache transfers.", names,
+                                   buckets=NIXL_XFER_TIME_BUCKETS, registry=r).labels(**lv)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r).labels(**lv)
+
+        self.failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers, including handshake and "
+            "notification failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.")
+        self.failed_notifications = counter(
+            "vllm:nixl_num_failed_notifications", "Number of failed NIXL KV Cache notifications. Retained for "
+            "compatibility; these failures are also included in vllm:nixl_num_failed_transfers.")
+        self.kv_expired_reqs = counter(
+            "vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire. NOTE: This metric is "
+            "tracked on the P instance.")
+        self.notifications_after_expiry = counter(
+            "vllm:nixl_num_notifications_after_expiry", "Number of completion notifications for requests that were "
+            "no longer tracked, usually because their KV lease expired. The KV blocks may have been reused before "
+            "the transfer finished. Counted per notification (one per remote rank), not per request.")

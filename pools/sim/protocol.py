@@ -155,6 +155,7 @@ class _Request(BaseModel):
     request_id: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # acted on only with a KV connector (--role prefill/decode)
     use_beam_search: bool = False
     # sampling parameters (validated like SamplingParams; the simulator's text does not depend on them)
     temperature: float | None = None

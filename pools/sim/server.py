@@ -76,6 +76,8 @@ def serve(settings: SimSettings) -> int:
         print(f"m3gate sim: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 1
     port = sock.getsockname()[1]
+    if app.kv_connector is not None:
+        app.kv_connector.port = port  # remote_port: where decode replicas reach this one's /sim/kv routes
     config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=1, timeout_keep_alive=5)
     server = uvicorn.Server(config)

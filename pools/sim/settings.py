@@ -31,6 +31,26 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class KVTransferSettings:
+    """Prefill/decode disaggregation as vLLM's NixlConnector does it (`--kv-transfer-config`); see disagg.py.
+
+    `role` "both" means no connector at all (vLLM without --kv-transfer-config: kv_transfer_params are ignored);
+    "prefill"/"decode" start the connector as kv_producer/kv_consumer. Like NIXL, either role honours both kinds of
+    request (the role is a label), so a proxy decides per request which side a replica plays."""
+
+    role: str = "both"
+    engine_id: str | None = None  # None: a uuid4 per start, as vLLM (so a restarted prefill replica is detected)
+    ms_per_block: float = 0.05  # time the decode side spends pulling one KV block (divided by --speed)
+    lease_duration_s: float = 30.0  # kv_connector_extra_config.kv_lease_duration: prefill holds blocks this long
+    load_failure_policy: str = "fail"  # kv_load_failure_policy: "fail" (500) or "recompute" the prompt locally
+    tp_size: int = 1  # reported as tp_size in kv_transfer_params
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "both"
+
+
+@dataclass(frozen=True)
 class SimSettings:
     """One replica's configuration; field names follow the `vllm serve` flags they imitate."""
 
@@ -60,6 +80,7 @@ class SimSettings:
     api_key: str | None = None
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: publish KV events (pools/sim/kv_events.py)
     prefix_caching_hash_algo: str | None = None  # sha256_cbor / sha256: vLLM's own block hashes over the token ids
+    kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
     # fault injection at start (changeable later through POST /sim/faults)
     faults: FaultSettings = field(default_factory=FaultSettings)
 

@@ -9,6 +9,7 @@ Chat and completions serve `n` choices: like vLLM's parallel sampling, each choi
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from pools.sim.behaviour import CONTENT_WORDS, REASONING_WORDS, OutputPlan
 from pools.sim.engine import SimRequest
 
 DONE = b"data: [DONE]\n\n"
+GENERATION_ERROR_MESSAGE = "Internal server error"  # vLLM's GenerationError, for finish_reason "error"
+# create_streaming_error_response: json.dumps of the ErrorResponse (Python's default separators)
+STREAM_ERROR = b"data: " + json.dumps({"error": {"message": GENERATION_ERROR_MESSAGE, "type": "InternalServerError",
+                                                 "param": None, "code": 500}}).encode() + b"\n\n"
 
 
 @dataclass
@@ -68,6 +73,16 @@ class Generation:
     @property
     def finished(self) -> bool:
         return all(c.sim.finished for c in self.choices)
+
+    @property
+    def failed(self) -> bool:
+        """A choice finished with "error" (a failed KV load under kv_load_failure_policy "fail")."""
+        return any(c.sim.finish_reason == "error" for c in self.choices)
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the connector returned as the request finished (the prefill side's handle for the decode side)."""
+        return next((c.sim.kv_transfer_out for c in self.choices if c.sim.kv_transfer_out is not None), None)
 
     def reasoning_tokens(self, upto: int, choice: Choice | None = None) -> int:
         return min(upto, (choice or self.choices[0]).plan.reasoning_tokens)
@@ -139,7 +154,8 @@ def chat_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
     The streamed usage chunk is dumped with exclude_none, so `multimodal_tokens` is absent there unless set."""
     sim = gen.sim
     completion = gen.completion_tokens()
-    details: dict[str, Any] = {"cached_tokens": sim.cached_tokens, "created_cache_tokens": gen.created_cache_tokens()}
+    details: dict[str, Any] = {"cached_tokens": sim.usage_cached_tokens,
+                               "created_cache_tokens": gen.created_cache_tokens()}
     if not streaming or gen.multimodal_tokens:
         details["multimodal_tokens"] = gen.multimodal_tokens
     return {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + completion,
@@ -154,9 +170,9 @@ def completion_usage(gen: Generation, *, streaming: bool) -> dict[str, Any]:
     usage: dict[str, Any] = {"prompt_tokens": sim.prompt_tokens, "total_tokens": sim.prompt_tokens + completion,
                              "completion_tokens": completion}
     if streaming:
-        usage["prompt_tokens_details"] = {"cached_tokens": sim.cached_tokens}
+        usage["prompt_tokens_details"] = {"cached_tokens": sim.usage_cached_tokens}
     else:
-        usage["prompt_tokens_details"] = {"cached_tokens": sim.cached_tokens, "created_cache_tokens": None,
+        usage["prompt_tokens_details"] = {"cached_tokens": sim.usage_cached_tokens, "created_cache_tokens": None,
                                           "multimodal_tokens": None}
         usage["completion_tokens_details"] = None
     return usage
@@ -264,13 +280,8 @@ class ChatShape:
                 return
             if not started:
                 started = True
-                for choice in gen.choices:
-                    role: dict[str, Any] = {**head, "choices": [{"index": choice.index, "delta": {
-                        "role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}],
-                        "prompt_token_ids": None, "prompt_text": None}
-                    if gen.continuous_usage:
-                        role["usage"] = ChatShape._running_usage(gen, choice, 0)
-                    yield _sse(role)
+                for chunk in ChatShape._role_chunks(gen, head):
+                    yield chunk
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total = choice.plan.total_tokens
                 for i in range(sent[choice.index], upto):
@@ -293,10 +304,29 @@ class ChatShape:
                 sent[choice.index] = upto
         if gen.aborted:
             return
+        if gen.failed:  # the engine's first output is the error: role chunks, then the error event
+            if not started:
+                for chunk in ChatShape._role_chunks(gen, head):
+                    yield chunk
+            yield STREAM_ERROR
+            yield DONE
+            return
         if gen.include_usage:
             yield _sse({**head, "choices": [], "usage": chat_usage(gen, streaming=True),
                         "system_fingerprint": gen.system_fingerprint})
         yield DONE
+
+    @staticmethod
+    def _role_chunks(gen: Generation, head: dict[str, Any]) -> list[bytes]:
+        chunks = []
+        for choice in gen.choices:
+            role: dict[str, Any] = {**head, "choices": [{"index": choice.index, "delta": {
+                "role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}],
+                "prompt_token_ids": None, "prompt_text": None}
+            if gen.continuous_usage:
+                role["usage"] = ChatShape._running_usage(gen, choice, 0)
+            chunks.append(_sse(role))
+        return chunks
 
     @staticmethod
     def _choice(gen: Generation, choice: Choice) -> dict[str, Any]:
@@ -323,7 +353,8 @@ class ChatShape:
             "choices": [ChatShape._choice(gen, c) for c in gen.choices],
             "service_tier": None, "system_fingerprint": gen.system_fingerprint,
             "usage": chat_usage(gen, streaming=False), "prompt_logprobs": None, "prompt_token_ids": None,
-            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+            "prompt_text": None, "kv_transfer_params": gen.kv_transfer_params, "ec_transfer_params": None,
+            "metrics": None})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,6 +396,10 @@ class CompletionShape:
                 sent[choice.index] = upto
         if gen.aborted:
             return
+        if gen.failed:
+            yield STREAM_ERROR
+            yield DONE
+            return
         if gen.include_usage:
             yield _sse({**head, "choices": [], "usage": completion_usage(gen, streaming=True),
                         "system_fingerprint": gen.system_fingerprint})
@@ -381,7 +416,7 @@ class CompletionShape:
         return orjson.dumps({
             "id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model,
             "choices": choices, "service_tier": None, "system_fingerprint": gen.system_fingerprint,
-            "usage": completion_usage(gen, streaming=False), "kv_transfer_params": None,
+            "usage": completion_usage(gen, streaming=False), "kv_transfer_params": gen.kv_transfer_params,
             "ec_transfer_params": None, "metrics": None})
 
 
