@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ from gateway.relay import (
     usage_of,
 )
 from gateway.runtime import Gateway
+from policies.admission import RetryLater
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.estimates import overlength_tokens
@@ -46,7 +48,8 @@ from policies.pool_choice import (
     with_learned_ratio,
 )
 from policies.prefix import prefix_blocks
-from policies.replica_choice import NoReplicaAvailable, RoutingRequest
+from policies.replica_choice import NoReplicaAvailable, RoutingDecision, RoutingRequest
+from policies.traffic import SLO_TPOT_HEADER, SLO_TTFT_HEADER, request_slos
 from pools.replicas import PoolRuntime, Replica
 
 log = logging.getLogger("m3gate")
@@ -63,6 +66,7 @@ class Target(NamedTuple):
     replica: Replica
     reason: str
     matched_blocks: int
+    decision: RoutingDecision | None = None
 
 
 class Coordinator:
@@ -101,6 +105,7 @@ class Coordinator:
             )
             record.t_routed = gw.clock()
             admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
+            routing = self.with_slos(request, record, routing)
             payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority)
             return await self.forward(request, record, admitted.choice, profile, routing, payload, strip_usage)
         except RequestRejected as exc:
@@ -185,16 +190,32 @@ class Coordinator:
             return ()
         return prefix_blocks(body, api, self.gw.config.model)
 
-    # 3. (admission is gateway/admission.py's TrafficControl.admit)
+    # 3. admit: gateway/admission.py's TrafficControl.admit; then the objectives the class or caller set
+    def with_slos(self, request: Request, record: RequestRecord, routing: RoutingRequest) -> RoutingRequest:
+        """The routing request with its TTFT/TPOT objectives, when any apply (x-slo-* headers, or the class's target
+        with routing.slo_aware on)."""
+        headers = request.headers
+        ttft_ms, tpot_ms = headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER)
+        aware = self.gw.config.routing.slo_aware
+        if ttft_ms is None and tpot_ms is None and not aware:
+            return routing
+        ttft, tpot = request_slos(ttft_ms, tpot_ms, self.gw.config.traffic, record.traffic_class, aware)
+        record.ttft_slo_s = ttft
+        return replace(routing, ttft_slo_s=ttft, tpot_slo_s=tpot) if ttft is not None or tpot is not None else routing
+
     # 4. choose replicas ------------------------------------------------------------------------------------
     def choose_replicas(
         self, choice: PoolChoice, routing: RoutingRequest, routings: Mapping[str, RoutingRequest] | None = None
     ) -> list[Target]:
         """Up to MAX_ATTEMPTS targets: the best replica, then the next best in the same pool, else the best of the
-        next larger pool. `routings`: per pool, the request with that pool's exact block hashes (precise pools)."""
+        next larger pool. `routings`: per pool, the request with that pool's exact block hashes (precise pools).
+
+        With an SLO, a pool whose best replica is predicted to miss it yields to the first larger candidate pool
+        predicted to meet it ("slo_spill"); when none is, the request goes where it would have ("slo_expected_miss")."""
         gw = self.gw
         now = gw.clock()
         targets: list[Target] = []
+        missing: list[Target] = []  # from pools predicted to miss the SLO: tried after any pool that meets it
         for pool_cfg in choice.candidates:
             pool = gw.pools.get(pool_cfg.name)
             if pool is None:  # removed by a reload while the request waited
@@ -204,13 +225,24 @@ class Coordinator:
                 decision = gw.policies[pool.name].choose(pool_routing, pool.snapshots(now, gw.shared), now)
             except NoReplicaAvailable:
                 continue
-            for url in (decision.replica, *decision.fallbacks):
-                replica = pool.replicas.get(url)
-                if replica is not None and replica.is_available(now):
-                    targets.append(Target(pool, replica, decision.reason, decision.matched_blocks))
-                    if len(targets) >= MAX_ATTEMPTS:
-                        return targets
-        return targets
+            found = [
+                Target(pool, replica, decision.reason, decision.matched_blocks, decision)
+                for url in (decision.replica, *decision.fallbacks)
+                if (replica := pool.replicas.get(url)) is not None and replica.is_available(now)
+            ][:MAX_ATTEMPTS]
+            if not found:
+                continue
+            if decision.slo_met is False:
+                missing.extend(found)
+                continue
+            if missing and not targets:
+                found[0] = found[0]._replace(reason="slo_spill")
+            targets.extend(found)
+            if len(targets) >= MAX_ATTEMPTS:
+                break
+        if missing and not targets:
+            missing[0] = missing[0]._replace(reason="slo_expected_miss")
+        return (targets + missing)[:MAX_ATTEMPTS]
 
     # 5. forward --------------------------------------------------------------------------------------------
     async def forward(
@@ -234,6 +266,8 @@ class Coordinator:
                 f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
                 "no_healthy_replica",
             )
+        if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
+            raise _shed(record, targets[0])
         attempt = _Attempts(request, record, payload, strip_usage, profile, heal=choice.reason != "forced")
         watch = gw.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
         try:
@@ -282,6 +316,7 @@ class Coordinator:
         record.pool, record.replica = pool.name, replica.url
         record.reason = reason or ("retry" if number else target.reason)
         record.matched_blocks = target.matched_blocks
+        record.decision = target.decision
         key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
         headers = upstream_headers(attempt.raw_headers, key)
         gw.telemetry.inject(record, headers)
@@ -403,11 +438,30 @@ class Coordinator:
                     max(0, prompt - cached), record.t_first_byte - record.t_sent,
                     completion, record.t_last_byte - record.t_first_byte,
                 )
-        if record.status == 200 and record.prompt_tokens_raw and record.usage:
-            counted = record.usage.get("prompt_tokens")
-            if isinstance(counted, int):
-                self._learn_ratio(record.pool, record.prompt_tokens_raw, counted)
+        if record.status == 200 and record.usage:
+            self._learn_from_answer(record, record.usage)
         gw.telemetry.finish(record)
+
+    def _learn_from_answer(self, record: RequestRecord, usage: dict[str, Any]) -> None:
+        """What one answer teaches the estimates: the token ratio, the pool's TTFT calibration (a complete stream's
+        first token, timed from the send), and the class's output length."""
+        gw = self.gw
+        counted = usage.get("prompt_tokens")
+        if record.prompt_tokens_raw and isinstance(counted, int):
+            self._learn_ratio(record.pool, record.prompt_tokens_raw, counted)
+        decision = record.decision
+        if (decision is not None and decision.features is not None and record.stream and record.t_first_byte
+                and record.error is None and not record.client_disconnected and not record.retried):
+            calibrator = gw.latency.get(record.pool)
+            if calibrator is not None:
+                calibrator.learn(decision.features, record.t_first_byte - record.t_sent)
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int) and record.error is None:
+            gw.output_lengths.observe(record.traffic_class, record.thinking_mode, completion)
+
+    def _sheddable(self, record: RequestRecord) -> bool:
+        cls = self.gw.config.traffic.classes.get(record.traffic_class)
+        return cls is not None and cls.sheddable
 
 
 class _Attempts:
@@ -426,6 +480,23 @@ class _Attempts:
         self.heal = heal  # an over-length refusal may be retried in a larger pool (not when the caller forced one)
         self.raw_headers = request.scope["headers"]
         self.answered_5xx: list[Replica] = []
+
+
+def _shed(record: RequestRecord, target: Target) -> RetryLater:
+    """The 429 for a sheddable request no replica is predicted to serve within its objective; Retry-After is the
+    predicted excess, at least a second."""
+    predicted = target.decision.predicted_ttft_p90_s if target.decision is not None else None
+    slo = record.ttft_slo_s
+    record.reason = "slo_expected_miss"
+    wait = max(1, math.ceil((predicted or 0.0) - (slo or 0.0)))
+    if slo is not None and predicted is not None:
+        message = (f"No replica is predicted to answer within this request's time-to-first-token objective "
+                   f"({slo * 1000:.0f} ms; the best predicted P90 is {predicted * 1000:.0f} ms) and its traffic "
+                   f"class is sheddable; retry in {wait} s (Retry-After) or relax the objective.")
+    else:
+        message = ("No replica is predicted to meet this request's latency objective and its traffic class is "
+                   f"sheddable; retry in {wait} s (Retry-After) or relax the objective.")
+    return RetryLater(message, status=429, code="slo_unattainable", retry_after_s=wait)
 
 
 def session_key(request: Request, body: dict[str, Any]) -> str | None:

@@ -50,6 +50,8 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's ITL/TPOT boundaries from 10 ms up
 ITL_BUCKETS = TPOT_BUCKETS  # vllm:inter_token_latency_seconds' boundaries, plus 1, 2.5 and 5 ms for batched chunks
+# actual ÷ predicted: 1 is a perfect prediction; log-spaced both ways (a 10× miss either way is still a bucket)
+RATIO_BUCKETS = (0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 NONE = "none"  # label value for "not decided yet" (a request rejected before it had a pool or a mode)
@@ -58,6 +60,7 @@ ROUTING_REASONS = frozenset({
     "round_robin", "least_loaded", "session", "affinity_hit", "load_spill", "cold_rendezvous", "all_saturated",
     "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
     "overlength_retry",  # a replica refused the prompt as too long; retried in a larger pool
+    "slo_move", "slo_spill", "slo_expected_miss",  # SLO-aware choice (policies/latency_model.py)
 })
 
 
@@ -93,10 +96,13 @@ def gateway_overhead_s(record: RequestRecord, first_send: float) -> float:
     return max(0.0, first_send - record.t_arrival - waited)
 
 
+_FIRST_REASONS = frozenset({"overlength_retry", "slo_spill", "slo_expected_miss"})  # said over retry/pool_spill
+
+
 def routing_reason(record: RequestRecord) -> str:
     """One reason per routed request: retry and pool spill first (what ops watch), else the replica policy's own."""
-    if record.reason == "overlength_retry":
-        return "overlength_retry"
+    if record.reason in _FIRST_REASONS:
+        return record.reason
     if record.retried:
         return "retry"
     if (record.first_pool and record.pool != record.first_pool) or record.pool_reason.startswith("spill"):
@@ -292,6 +298,15 @@ class RequestMetrics:
                                       "expected the chosen replica to have cached.", cls)
         self.routing = counter("m3gate_routing_decisions", "Routed requests by reason (affinity_hit, load_spill, "
                                "pool_spill, retry, ...).", ("pool", "reason"))
+        self.ttft_prediction = histogram(
+            "m3gate_ttft_prediction_ratio", "Actual ÷ predicted (calibrated median) time to first token of the chosen "
+            "replica, from the upstream send, per streamed request.", ("pool",), RATIO_BUCKETS)
+        self.tpot_prediction = histogram(
+            "m3gate_tpot_prediction_ratio", "Actual ÷ predicted time per output token of the chosen replica, per "
+            "streamed request.", ("pool",), RATIO_BUCKETS)
+        self.ttft_p90_covered = counter(
+            "m3gate_ttft_p90_covered", "Streamed requests whose TTFT (from the upstream send) was at or under the "
+            "predicted P90 (covered=true) or above it (false): the calibration's coverage.", ("pool", "covered"))
         self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
         self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
         self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time
@@ -365,12 +380,21 @@ class RequestMetrics:
             bucket = series.ttft.observe(ttft)
             if exemplar is not None:  # the trace id, kept as the bucket's exemplar (OpenMetrics)
                 self.ttft.exemplars.setdefault(req, {})[bucket] = (exemplar, ttft)
-            series.prefill.observe(record.t_first_byte - record.t_sent)
+            sent_to_first = record.t_first_byte - record.t_sent
+            series.prefill.observe(sent_to_first)
+            decision = record.decision
+            if decision is not None and decision.predicted_ttft_s:
+                self.ttft_prediction.observe((pool,), sent_to_first / decision.predicted_ttft_s)
+                if decision.predicted_ttft_p90_s is not None:
+                    covered = "true" if sent_to_first <= decision.predicted_ttft_p90_s else "false"
+                    self.ttft_p90_covered.inc((pool, covered))
             if record.error is None and record.t_last_byte:
                 decode = record.t_last_byte - record.t_first_byte
                 series.decode.observe(decode)
                 if completion > 1:
                     series.tpot.observe(decode / (completion - 1))
+                    if decision is not None and decision.predicted_tpot_s:
+                        self.tpot_prediction.observe((pool,), decode / (completion - 1) / decision.predicted_tpot_s)
 
 
 class _RequestSeries(NamedTuple):

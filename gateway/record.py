@@ -25,6 +25,8 @@ class RequestRecord:
     prompt_tokens_est: int = 0
     prompt_tokens_raw: int = 0  # the estimate before any learned correction; 0 when the model's tokenizer counted it
     matched_blocks: int = 0
+    decision: Any = None  # the attempt's RoutingDecision (predictions, calibration inputs, SLO verdict)
+    ttft_slo_s: float | None = None  # the objective it was routed against, if any
     first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
     pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated
     max_tokens: int | None = None  # the caller's explicit output cap, if any

@@ -20,6 +20,7 @@ from gateway.telemetry import Telemetry
 from policies.admission import pool_saturated
 from policies.config import GatewayConfig
 from policies.estimates import TokenEstimateRatios
+from policies.latency_model import OutputLengths, TtftCalibrator
 from policies.replica_choice import ReplicaPolicy, RoutingRequest, build_policy
 from policies.tokens import TokenCounter
 from pools.monitor import ReplicaMonitor
@@ -36,6 +37,8 @@ class Gateway:
         self.clock = clock
         self.counter = TokenCounter(config.classification)
         self.estimates = TokenEstimateRatios()  # what the replicas count ÷ the gateway's estimate, per pool
+        self.latency: dict[str, TtftCalibrator] = {}  # per pool: the TTFT model calibrated on its answers
+        self.output_lengths = OutputLengths()  # completion tokens per class and thinking mode
         self.pools: dict[str, PoolRuntime] = {}
         self.policies: dict[str, ReplicaPolicy] = {}
         self.prefix_index = PrefixIndex()
@@ -61,9 +64,12 @@ class Gateway:
         rebuilt = self.precise.configure(config, self.pools)
         self.policies = {
             name: (None if policy_changed or name in rebuilt else self.policies.get(name))
-            or build_policy(config.routing.policy, prefix_index=self.precise.matcher(name), **_policy_params(config))
+            or build_policy(config.routing.policy, prefix_index=self.precise.matcher(name),
+                            calibrator=self.latency.setdefault(name, TtftCalibrator()), **_policy_params(config))
             for name in self.pools
         }
+        for name in [n for n in self.latency if n not in self.pools]:
+            del self.latency[name]
         self.served_models = frozenset(config.served_model_ids())
         self.estimates.keep_only(set(self.pools))
         self.sync_prefix_index()

@@ -219,6 +219,12 @@ class RoutingConfig(_Strict):
                     "keeps more sessions on their cached replica; smaller spreads a hot prefix more evenly.",
     )
     load_slack: float = Field(default=2.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
+    slo_aware: bool = Field(
+        default=False, description="prefix_affinity only: hold every request to its traffic class's ttft_target_s "
+        "(requests sending x-slo-ttft-ms / x-slo-tpot-ms are held to those whether or not this is on): a replica "
+        "predicted (calibrated P90) to miss it yields to one that meets it, in the pool or a larger one; a sheddable "
+        "class gets a 429 when none can.",
+    )
 
 
 class ServerConfig(_Strict):
@@ -310,6 +316,10 @@ class TrafficClassConfig(_Strict):
     spill_upward: bool = Field(
         default=True, description="While its pool is saturated, use a larger pool that has headroom (only where "
         "the pools' own spill_upward allows it).",
+    )
+    sheddable: bool = Field(
+        default=False, description="With SLO-aware routing: when no replica of any pool it may use is predicted to "
+        "meet its TTFT objective, answer 429 with Retry-After at once rather than serve it late.",
     )
 
 

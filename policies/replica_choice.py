@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 
 import xxhash
 
+from policies.latency_model import TtftCalibrator, ttft_features
 from policies.snapshot import NoReplicaAvailable, ReplicaSnapshot, RoutingDecision, RoutingRequest
 
 __all__ = [
@@ -374,9 +375,11 @@ class PrefixAffinity:
     replica's own KV events) or "affinity_hit:approx" (estimated: no exact hashes, or the replica's events are stale).
     """
 
-    def __init__(self, prefix_index: PrefixMatcher | None = None, params: ChoiceParams | None = None) -> None:
+    def __init__(self, prefix_index: PrefixMatcher | None = None, params: ChoiceParams | None = None,
+                 calibrator: TtftCalibrator | None = None) -> None:
         self.prefix_index = prefix_index
         self.params = params or ChoiceParams()
+        self.calibrator = calibrator  # the pool's learnt TTFT correction: calibrated median and P90, SLO checks
         unknown = set(self.params.weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorer weights {sorted(unknown)}; known: {sorted(SCORERS)}")
@@ -443,6 +446,10 @@ class PrefixAffinity:
             reason = "all_saturated"
         elif reason == "affinity_hit" and chosen.source:
             reason = f"affinity_hit:{chosen.source}"  # exact (the replica's KV events) or approx (estimated)
+        predicted, p90, runner_up, features, slo_met = chosen.predicted_ttft_s, None, None, None, None
+        if self.calibrator is not None:
+            chosen, reason, predicted, p90, runner_up, features, slo_met = self._calibrated(
+                request, usable, chosen, reason)
 
         if params.queue_uncached_alpha is not None:
             self._last = (request, everyone)
@@ -453,10 +460,49 @@ class PrefixAffinity:
             replica=chosen.url,
             fallbacks=tuple(c.url for c in rest),
             reason=reason,
-            predicted_ttft_s=chosen.predicted_ttft_s,
+            predicted_ttft_s=predicted,
             matched_blocks=chosen.matched_blocks,
             scores=score_of,
+            predicted_ttft_p90_s=p90,
+            runner_up_ttft_s=runner_up,
+            features=features,
+            slo_met=slo_met,
+            predicted_tpot_s=chosen.replica.tpot_s,
         )
+
+    def _features(self, c: Candidate) -> tuple[float, ...]:
+        waiting, running = queue_estimate(c.replica, self.params)
+        return ttft_features(c.predicted_ttft_s, c.uncached_tokens, waiting, running, c.replica.kv_usage)
+
+    def _calibrated(
+        self, request: RoutingRequest, usable: Sequence[Candidate], chosen: Candidate, reason: str
+    ) -> tuple[Candidate, str, float, float, float | None, tuple[float, ...], bool | None]:
+        """The chosen replica's calibrated TTFT (median, P90) and the runner-up's median; with an SLO, a move to a
+        replica predicted to meet it when the chosen one is predicted to miss it (the cache-affine choice stays
+        whenever it meets the SLO). Only the chosen and runner-up are calibrated unless an SLO is at risk: the
+        decision's cost stays close to the analytic model's."""
+        calibrator = self.calibrator
+        assert calibrator is not None
+        features = self._features(chosen)
+        median, p90 = calibrator.predict(features)
+        others = [c for c in usable if c is not chosen]
+        runner = min(others, key=lambda c: c.predicted_ttft_s) if others else None
+        runner_up = calibrator.predict(self._features(runner))[0] if runner is not None else None
+        ttft_slo, tpot_slo = request.ttft_slo_s, request.tpot_slo_s
+        if ttft_slo is None and tpot_slo is None:
+            return chosen, reason, median, p90, runner_up, features, None
+
+        def meets(c: Candidate, p90_s: float) -> bool:
+            return (ttft_slo is None or p90_s <= ttft_slo) and (tpot_slo is None or c.replica.tpot_s <= tpot_slo)
+
+        if meets(chosen, p90):
+            return chosen, reason, median, p90, runner_up, features, True
+        for c in sorted(others, key=lambda c: c.predicted_ttft_s):
+            x = self._features(c)
+            c_median, c_p90 = calibrator.predict(x)
+            if meets(c, c_p90):
+                return c, "slo_move", c_median, c_p90, median, x, True
+        return chosen, reason, median, p90, runner_up, features, False
 
     def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
         """The request went to `replica`: its blocks are there now, its session follows it, and the replica's
@@ -537,10 +583,12 @@ def build_policy(name: PolicyName, **params: Any) -> ReplicaPolicy:
     """The policy named in config (`routing.policy`).
 
     prefix_affinity takes `prefix_index=` (a pools.prefix_index.PrefixIndex; without one it still balances on
-    predicted TTFT, just without cache hits); least_loaded and prefix_affinity take `params=ChoiceParams(...)` or
+    predicted TTFT, just without cache hits) and `calibrator=` (the pool's policies.latency_model.TtftCalibrator:
+    calibrated predictions and SLO-aware moves); least_loaded and prefix_affinity take `params=ChoiceParams(...)` or
     its fields as keywords (e.g. `load_epsilon=0.5`).
     """
     prefix_index = params.pop("prefix_index", None)
+    calibrator = params.pop("calibrator", None)
     choice_params = params.pop("params", None)
     if params:
         choice_params = ChoiceParams(**params) if choice_params is None else replace(choice_params, **params)
@@ -549,5 +597,5 @@ def build_policy(name: PolicyName, **params: Any) -> ReplicaPolicy:
     if name == "least_loaded":
         return LeastLoaded(choice_params)
     if name == "prefix_affinity":
-        return PrefixAffinity(prefix_index=prefix_index, params=choice_params)
+        return PrefixAffinity(prefix_index=prefix_index, params=choice_params, calibrator=calibrator)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -46,6 +46,8 @@ class RoutingRequest:
     session_key: str | None = None  # x-session-id header or body `user`
     exact_block_hashes: tuple[int, ...] = ()  # vLLM's own block hashes of the prompt (policies/vllm_hash.py), when
     # the pool routes precisely and the gateway could tokenize the request exactly; () otherwise
+    ttft_slo_s: float | None = None  # the request's TTFT objective (x-slo-ttft-ms, else its class's target)
+    tpot_slo_s: float | None = None  # its time-per-output-token objective (x-slo-tpot-ms), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,11 @@ class RoutingDecision:
     predicted_ttft_s: float | None
     matched_blocks: int
     scores: Mapping[str, float] = field(default_factory=dict)  # per replica url, higher is better
+    predicted_ttft_p90_s: float | None = None  # calibrated P90 of the chosen replica's TTFT (policies/latency_model)
+    runner_up_ttft_s: float | None = None  # predicted TTFT of the best replica not chosen
+    predicted_tpot_s: float | None = None  # the chosen replica's time per output token (its EWMA)
+    features: tuple[float, ...] | None = None  # the chosen replica's calibration inputs, to learn from its answer
+    slo_met: bool | None = None  # with an SLO: whether the chosen replica is predicted to meet it
 
 
 class NoReplicaAvailable(Exception):

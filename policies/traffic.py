@@ -18,6 +18,8 @@ from policies.pool_choice import FORCED_POOL_HEADER, PoolChoice
 from policies.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficConfig
 
 CLASS_HEADER = "x-m3gate-class"
+SLO_TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's names for per-request latency objectives
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
 
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 _MAX_NESTING = 3  # content inside tool results inside messages: deeper shapes are the classifier's to reject
@@ -71,6 +73,32 @@ def request_priority(traffic: TrafficConfig, traffic_class: str, thinking_mode: 
     if traffic.latency_sensitive_disabled_thinking and thinking_mode == "disabled":
         priority = min(priority, traffic.classes[traffic.top_class()].priority)
     return priority
+
+
+def request_slos(
+    ttft_ms: str | None, tpot_ms: str | None, traffic: TrafficConfig, traffic_class: str, slo_aware: bool
+) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) objectives in seconds: the request's x-slo-* headers, else, with SLO-aware routing on, its
+    class's TTFT target. A header that is not a positive number of milliseconds is the caller's to fix (400)."""
+    ttft = _slo_header(SLO_TTFT_HEADER, ttft_ms)
+    tpot = _slo_header(SLO_TPOT_HEADER, tpot_ms)
+    if ttft is None and slo_aware:
+        cls = traffic.classes.get(traffic_class)
+        ttft = cls.ttft_target_s if cls is not None else None
+    return ttft, tpot
+
+
+def _slo_header(name: str, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not (0.0 < ms < 86_400_000.0):
+        raise RequestRejected(f"The {name} header must be a positive number of milliseconds (e.g. 800); got "
+                              f"{value[:40]!r}.", param=name, code="invalid_header")
+    return ms / 1000.0
 
 
 def restrict_to_key(choice: PoolChoice, key: ApiKeyConfig | None, forced: bool) -> PoolChoice:
