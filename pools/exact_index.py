@@ -171,6 +171,12 @@ class ExactIndex:
             state.stale_until = max(state.stale_until, until)
             state.stale_reason = reason
 
+    def clear_stale(self, source: str, reason: str) -> None:
+        """Trust the source again, if it was distrusted for `reason` (e.g. its hashes match again)."""
+        state = self._sources.get(source)
+        if state is not None and state.stale_reason == reason:
+            state.stale_until = 0.0
+
     # -- what routing sent (HybridMatcher) ----------------------------------------------------------------------
 
     def sent(self, replica: str, hashes: Sequence[int], now: float) -> None:

@@ -95,6 +95,7 @@ class BlockStored:
     block_size: int | None = None
     medium: str | None = None
     group_idx: int | None = None
+    token_ids: tuple[int, ...] = ()  # the stored blocks' tokens, concatenated (what the hash check reads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +166,14 @@ def _event(raw: Any) -> Event | None:
         raise KvEventDecodeError(f"an event must be a map or a tagged array, not {type(raw).__name__}")
     if tag == "BlockStored":
         parent = fields.get("parent_block_hash")
+        tokens = fields.get("token_ids")
         return BlockStored(
             block_hashes=_hashes(fields.get("block_hashes")),
             parent_block_hash=None if parent is None else _hash(parent),
             block_size=_opt_int(fields.get("block_size")),
             medium=_opt_str(fields.get("medium")),
             group_idx=_opt_int(fields.get("group_idx")),
+            token_ids=tuple(tokens) if parent is None and isinstance(tokens, list) else (),  # only roots are checked
         )
     if tag == "BlockRemoved":
         return BlockRemoved(
@@ -318,6 +321,13 @@ class SubscriberSettings:
     discovery_retry_s: float = 5.0
     rediscover_after_s: float = 30.0  # discovered sources unreachable this long: ask /kv_event_sources again
     poll_ms: int = 1000
+    # The gateway's hash of a prompt's first block from its token ids (None: no check). BlockStored events carry
+    # their blocks' tokens: hashing the first block of a prompt as the gateway would and comparing it with the hash
+    # the replica published catches a replica whose hashes the gateway can never reproduce (another PYTHONHASHSEED,
+    # hash algorithm or block size): its fresh-looking events would otherwise make every request look cold there.
+    first_block_hash: Callable[[Sequence[int]], int | None] | None = None
+    check_every: int = 16  # after the first `check_first` roots, one root event in this many is checked
+    check_first: int = 8
 
 
 @dataclass(slots=True)
@@ -339,6 +349,14 @@ class SourceStats:
     connected: bool = False
     down_since: float | None = None  # not connected since (None while connected)
     last_seq: int | None = None
+    hash_checks: int = 0  # first blocks the gateway hashed itself and compared with the published hash
+    hash_mismatches: int = 0
+    roots_seen: int = 0  # BlockStored events starting a prompt (no parent), the ones that can be checked
+    mismatch_streak: int = 0
+    match_streak: int = 0
+
+
+_MISMATCH_STREAK = 3
 
 
 class SourceSubscriber:
@@ -451,6 +469,8 @@ class SourceSubscriber:
                 if _counts_for_routing(event.medium, event.group_idx):
                     index.stored(key, event.block_hashes)
                     stats.stored += len(event.block_hashes)
+                    if event.token_ids and self.settings.first_block_hash is not None:
+                        self._check_hash(event, now)
                 else:
                     stats.ignored += 1
             elif isinstance(event, BlockRemoved):
@@ -465,6 +485,42 @@ class SourceSubscriber:
                 emptied = True
         index.heard(key, now)
         return emptied
+
+    def _check_hash(self, event: BlockStored, now: float) -> None:
+        """Sampled: hash the first block of a prompt from its published tokens and compare. Three mismatches in a
+        row with none matching since distrust the source (scored approximately, fallback reason `hash_mismatch`,
+        one loud log line); while distrusted every root is checked, and three matches in a row trust it again."""
+        stats = self.stats
+        stats.roots_seen += 1
+        distrusted = stats.mismatch_streak >= _MISMATCH_STREAK
+        if not distrusted and stats.roots_seen > self.settings.check_first and stats.roots_seen % self.settings.check_every:
+            return
+        assert self.settings.first_block_hash is not None
+        expected = self.settings.first_block_hash(event.token_ids)
+        if expected is None:
+            return
+        stats.hash_checks += 1
+        if expected == event.block_hashes[0]:
+            stats.match_streak += 1
+            if distrusted and stats.match_streak >= _MISMATCH_STREAK:
+                stats.mismatch_streak = 0
+                self.index.clear_stale(self.source.key, "hash_mismatch")
+                log.warning("KV events from %s: block hashes match the gateway's again; exact routing resumed",
+                            self.source.key)
+            elif not distrusted:
+                stats.mismatch_streak = 0
+            return
+        stats.hash_mismatches += 1
+        stats.match_streak = 0
+        stats.mismatch_streak += 1
+        if stats.mismatch_streak == _MISMATCH_STREAK:
+            log.error("KV events from %s: the replica's block hashes do not match the gateway's for the same tokens "
+                      "(%d of %d checks). Likely causes: the replica's PYTHONHASHSEED differs from the pool's "
+                      "precise.hash_seed, or its --prefix-caching-hash-algo / --block-size differ from the pool "
+                      "config. Routing to it approximately until they match.", self.source.key,
+                      stats.hash_mismatches, stats.hash_checks)
+        if stats.mismatch_streak >= _MISMATCH_STREAK:
+            self.index.mark_stale(self.source.key, "hash_mismatch", float("inf"))
 
     async def resync(self) -> None:
         """Rebuild the source from the replay buffer (or, without one, from the next live batch on)."""
@@ -732,7 +788,10 @@ class PreciseCollector:
         blocks = GaugeMetricFamily("m3gate_exact_index_blocks", "Blocks the replica holds per its KV events.",
                                    labels=labels)
         fresh = GaugeMetricFamily("m3gate_exact_index_fresh", "1 when the replica's exact view is used for routing "
-                                  "(synced, live, not silent).", labels=labels)
+                                  "(synced, live, not silent, hashes matching the gateway's).", labels=labels)
+        checks = CounterMetricFamily("m3gate_kv_event_hash_checks", "First blocks the gateway hashed from a "
+                                     "BlockStored event's tokens, by whether its hash matched the replica's.",
+                                     labels=[*labels, "result"])
         now = self._hub.clock()
         seen: set[str] = set()
         for pool, key, s, index in self._hub.iter_sources():
@@ -746,12 +805,14 @@ class PreciseCollector:
             replays.add_metric([*lv, "failed"], s.replay_failures)
             resyncs.add_metric(lv, s.resyncs)
             errors.add_metric(lv, s.decode_errors + s.malformed)
+            checks.add_metric([*lv, "match"], s.hash_checks - s.hash_mismatches)
+            checks.add_metric([*lv, "mismatch"], s.hash_mismatches)
             replica = key.split("#dp", 1)[0]
             if replica not in seen:
                 seen.add(replica)
                 blocks.add_metric([pool, replica], index.size(replica))
                 fresh.add_metric([pool, replica], float(index.fresh(replica, now)))
-        yield from (batches, events, gaps, replays, resyncs, errors, blocks, fresh)
+        yield from (batches, events, gaps, replays, resyncs, errors, blocks, fresh, checks)
 
         scored = CounterMetricFamily("m3gate_precise_replica_scorings", "Replica scorings by where the matched "
                                      "prefix came from (exact: KV events; approx: estimate).",
@@ -776,6 +837,23 @@ class PreciseCollector:
 # One pool's precise routing, as the gateway holds it
 
 
+def first_block_hasher(settings: Any) -> Callable[[Sequence[int]], int | None]:
+    """The gateway's hash of the first block of `token_ids` under the pool's hash settings (None if shorter)."""
+    from policies.vllm_hash import block_hashes
+
+    def first(token_ids: Sequence[int]) -> int | None:
+        size = settings.block_size
+        if len(token_ids) < size:
+            return None
+        try:
+            found = block_hashes(token_ids[:size], size, algo=settings.algo, seed=settings.seed, max_blocks=1)
+        except ValueError:  # an algorithm the gateway cannot reproduce without a seed
+            return None
+        return found[0] if found else None
+
+    return first
+
+
 class PrecisePool:
     """Everything precise routing needs for one pool: its exact index, the event subscriptions that feed it, the
     hybrid matcher its PrefixAffinity policy reads, and the prompt hasher that computes requests' exact hashes.
@@ -795,10 +873,11 @@ class PrecisePool:
         self.endpoint, self.replay_endpoint, self.ranks = self.endpoints_for(pool)
         self.identity = self.identity_for(pool, model)
         self.index = ExactIndex(clock, silent_after_s=cfg.silent_after_s, pending_ttl_s=cfg.pending_ttl_s)
-        self.hub = KvEventHub(self.index, clock, SubscriberSettings(
-            replay_timeout_s=cfg.replay_timeout_s, stale_after_failure_s=cfg.stale_after_failure_s))
-        self.matcher = HybridMatcher(approx, self.index, clock)
         self.hash_settings = HashSettings(block_size=pool.block_size, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        self.hub = KvEventHub(self.index, clock, SubscriberSettings(
+            replay_timeout_s=cfg.replay_timeout_s, stale_after_failure_s=cfg.stale_after_failure_s,
+            first_block_hash=first_block_hasher(self.hash_settings)))
+        self.matcher = HybridMatcher(approx, self.index, clock)
         self._local = LocalTokenizer(cfg.model_dir, cfg.max_tokenize_chars) if cfg.tokenizer == "local" else None
         self.hasher: Any = None  # PromptHasher, once started (the replica tokenizer needs the HTTP session)
         if self._local is not None:

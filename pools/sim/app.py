@@ -269,7 +269,10 @@ class SimApp:
         """vLLM's own hashes with --prefix-caching-hash-algo (what KV events publish), else the fast internal one."""
         algo = self.settings.prefix_caching_hash_algo
         if algo:
-            return vllm_hashes(tokens, self.settings.block_size, salt, algo)
+            hashes = vllm_hashes(tokens, self.settings.block_size, salt, algo, self.settings.hash_seed)
+            if self.kv_events is not None:
+                self.kv_events.remember_tokens(hashes, tokens)
+            return hashes
         return block_hashes(tokens, self.settings.block_size, salt)
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

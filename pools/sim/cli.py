@@ -140,7 +140,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         mean_output_tokens=args.mean_output_tokens, tool_call_probability=args.tool_call_probability,
         adaptive_thinking_probability=args.adaptive_thinking_probability, image_tokens=args.image_tokens,
         video_tokens=args.video_tokens, api_key=args.api_key, kv_events_config=args.kv_events_config,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
         kv_transfer=KVTransferSettings(role=args.role, engine_id=args.engine_id,
                                        ms_per_block=args.kv_transfer_ms_per_block,
                                        lease_duration_s=args.kv_lease_duration,

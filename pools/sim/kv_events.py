@@ -16,7 +16,10 @@ tested without GPUs:
 
 With `--prefix-caching-hash-algo sha256_cbor` (or sha256) the simulator's block hashes are vLLM's own over its token
 ids (policies/vllm_hash.py), so a gateway that tokenizes like the simulator (same tokenizer folder) reproduces them.
-BlockStored's token_ids are left empty: the simulator keeps token ids only while a request is being admitted.
+BlockStored's token_ids are the stored blocks' tokens, concatenated, as vLLM sends them, for blocks whose tokens the
+publisher still remembers (a bounded memory of recently prepared prompts; empty otherwise). The process's
+PYTHONHASHSEED seeds NONE_HASH exactly as in vLLM, so a simulator started with another seed than the gateway's
+`precise.hash_seed` publishes hashes the gateway cannot reproduce, as a misconfigured vLLM would.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +41,8 @@ from policies.vllm_hash import block_hashes as vllm_block_hashes
 from pools.sim.tokenizer import Tokens
 
 __all__ = ["SimEventPublisher", "parse_kv_events_config", "vllm_hashes"]
+
+_REMEMBERED_BLOCKS = 16_384  # ~8 MiB of token ids at 128 per block
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULTS: dict[str, Any] = {
@@ -61,11 +67,12 @@ def parse_kv_events_config(text: str) -> dict[str, Any]:
     return cfg
 
 
-def vllm_hashes(tokens: Tokens, block_size: int, cache_salt: str | None, algo: str) -> list[int]:
+def vllm_hashes(tokens: Tokens, block_size: int, cache_salt: str | None, algo: str,
+                seed: str | None = None) -> list[int]:
     """vLLM's published block hashes (low 64 bits) of a prompt's full blocks."""
     if tokens.count < block_size:
         return []
-    return list(vllm_block_hashes(tokens.ids(), block_size, algo=algo, cache_salt=cache_salt))
+    return list(vllm_block_hashes(tokens.ids(), block_size, algo=algo, cache_salt=cache_salt, seed=seed))
 
 
 class SimEventPublisher:
@@ -77,6 +84,7 @@ class SimEventPublisher:
         self._host = host
         self._topic = str(config.get("topic") or "").encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=int(config.get("buffer_steps") or 10_000))
+        self._block_tokens: OrderedDict[int, array[int]] = OrderedDict()
         self._events: list[dict[str, Any]] = []
         self._seq = 0
         self._flush_scheduled = False
@@ -140,9 +148,25 @@ class SimEventPublisher:
 
     # -- CacheEventSink -----------------------------------------------------------------------------------------
 
+    def remember_tokens(self, hashes: Sequence[int], tokens: Tokens) -> None:
+        """The token ids behind each full block of a prepared prompt, for its BlockStored events (bounded: the most
+        recent `_REMEMBERED_BLOCKS` blocks, as compact arrays)."""
+        ids = tokens.ids()
+        size = self.block_size
+        remembered = self._block_tokens
+        for i, h in enumerate(hashes):
+            if h in remembered:
+                remembered.move_to_end(h)
+                continue
+            remembered[h] = array("I", ids[i * size:(i + 1) * size])
+            if len(remembered) > _REMEMBERED_BLOCKS:
+                remembered.popitem(last=False)
+
     def blocks_stored(self, parent_hash: int | None, hashes: Sequence[int], block_ids: Sequence[int]) -> None:
+        known = [self._block_tokens.get(h) for h in hashes]
+        token_ids = [t for block in known for t in block] if all(b is not None for b in known) else []  # type: ignore[union-attr]
         self._add({"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent_hash,
-                   "token_ids": [], "block_size": self.block_size, "lora_id": None, "medium": "GPU",
+                   "token_ids": token_ids, "block_size": self.block_size, "lora_id": None, "medium": "GPU",
                    "lora_name": None})
 
     def block_removed(self, block_hash: int) -> None:

@@ -80,6 +80,7 @@ class SimSettings:
     api_key: str | None = None
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: publish KV events (pools/sim/kv_events.py)
     prefix_caching_hash_algo: str | None = None  # sha256_cbor / sha256: vLLM's own block hashes over the token ids
+    hash_seed: str | None = None  # the process's PYTHONHASHSEED, which vLLM hashes into NONE_HASH (as vLLM reads it)
     kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
     # fault injection at start (changeable later through POST /sim/faults)
     faults: FaultSettings = field(default_factory=FaultSettings)

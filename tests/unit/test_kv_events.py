@@ -82,13 +82,14 @@ def test_decodes_the_older_array_layout() -> None:
         ["BlockRemoved", [11], "GPU"],
         ["AllBlocksCleared"],
     ], rank=None))
-    assert batch.events == (BlockStored((11, 12), None, 4, "GPU"), BlockRemoved((11,), "GPU"), AllBlocksCleared())
+    assert batch.events == (BlockStored((11, 12), None, 4, "GPU", token_ids=(1, 2, 3, 4, 5, 6, 7, 8)),
+                            BlockRemoved((11,), "GPU"), AllBlocksCleared())  # a root keeps its tokens (hash check)
     assert batch.data_parallel_rank is None
 
 
 def test_decodes_a_map_batch_and_refuses_garbage() -> None:
     batch = decode_batch(msgpack.packb({"ts": 1.0, "events": [stored([5])], "data_parallel_rank": 0}))
-    assert batch.events[0] == BlockStored((5,), None, 4, "GPU")
+    assert batch.events[0] == BlockStored((5,), None, 4, "GPU", token_ids=(1, 1, 1, 1))
     for bad in (b"\xc1", msgpack.packb(3), msgpack.packb([1.0, 5]), pack([stored(["x"])]), pack([42])):
         with pytest.raises(KvEventDecodeError):
             decode_batch(bad)
