@@ -13,7 +13,7 @@ else a new session with a generated id. Then per request:
 Times are wall-clock seconds (`time.time`, injectable): other gateways' answers arrive with their timestamps, and
 monotonic clocks differ between processes. Memory is bounded: at most `max_sessions` open sessions (LRU), each with
 aggregates and its last `recent_turns` turns packed in one bytes object; at most `max_keys` remembered tool-call ids
-and history keys (oldest forgotten first); `max_recent` ended sessions for the admin view; `max_outbox` unpublished
+and as many history keys (default 2 per session; the newest half always kept); `max_recent` ended sessions for the admin view; `max_outbox` unpublished
 events. Nothing here logs or labels a raw id: `view` hashes them unless asked.
 
 Sharing (pools/shared_state.py): with `shared=True`, each answer's record (session id, turn, tool-call id hashes,
@@ -159,6 +159,34 @@ class SessionStoreCounters:
     events_applied: int = 0
 
 
+class _RecentKeys:
+    """key → session id for about the last `capacity` keys put: two generations of plain dicts, the older dropped
+    whole when the newer fills half the capacity, so a key is remembered for at least capacity/2 later puts.
+
+    Why not an LRU: popping a plain dict's oldest entry scans the deleted slots before it (quadratic over time), and
+    an OrderedDict costs 60% more memory per entry; a key is looked up about once anyway (by the next turn)."""
+
+    __slots__ = ("_half", "_new", "_old")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._new: dict[int, str] = {}
+        self._old: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
+
+    def get(self, key: int) -> str | None:
+        value = self._new.get(key)
+        return value if value is not None else self._old.get(key)
+
+    def put(self, key: int, value: str) -> None:
+        new = self._new
+        new[key] = value
+        if len(new) >= self._half:
+            self._old, self._new = new, {}
+
+
 def _charge(session: Session, wait_kind: str, seconds: float, count: int = 1) -> None:
     if wait_kind == "tool":
         session.tool_s += seconds
@@ -200,10 +228,9 @@ class SessionStore:
         self.counters = SessionStoreCounters()
         self._recent_bytes = recent_turns * _TURN.size
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
-        # remembered answers: tool-call id hash / history key → session id; plain dicts (insertion order, a third of
-        # an OrderedDict's memory), oldest forgotten first
-        self._by_tool: dict[int, str] = {}
-        self._by_history: dict[int, str] = {}
+        # remembered answers: tool-call id hash / history key → session id
+        self._by_tool = _RecentKeys(self.max_keys)
+        self._by_history = _RecentKeys(self.max_keys)
         self._ended: deque[Session] = deque(maxlen=max_recent)
         self._outbox: deque[tuple[Any, ...]] = deque(maxlen=max_outbox)
         self._id_prefix = id_prefix if id_prefix is not None else f"m3s-{secrets.token_hex(4)}-"
@@ -364,19 +391,12 @@ class SessionStore:
             recent = session.recent + packed
             session.recent = recent if len(recent) <= self._recent_bytes else recent[-self._recent_bytes:]
         session_id = session.id
-        max_keys = self.max_keys
         if tool_keys:
-            by_tool = self._by_tool
+            put = self._by_tool.put
             for key in tool_keys:
-                by_tool[key] = session_id
-            while len(by_tool) > max_keys:
-                del by_tool[next(iter(by_tool))]
+                put(key, session_id)
         if register_key is not None:
-            by_history = self._by_history
-            by_history.pop(register_key, None)  # re-registered: it is recent again
-            by_history[register_key] = session_id
-            if len(by_history) > max_keys:
-                del by_history[next(iter(by_history))]
+            self._by_history.put(register_key, session_id)
         if session.end_reason == "":
             self._touch(session)
         return cache

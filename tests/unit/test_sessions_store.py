@@ -182,8 +182,9 @@ def test_open_sessions_are_a_bounded_lru_and_so_are_remembered_keys() -> None:
     turn = store.begin_turn(sessions[2], "first")
     store.end_turn(turn, clock.advance(1), ("a", "b", "c"), 1)
     store.end_turn(store.begin_turn(sessions[2], "user"), clock.advance(1), ("d", "e"), 2)
-    assert store.resolve(NO_ID, ("a",))[1] == "none"  # forgotten: 5 tool ids, 4 kept
-    assert store.resolve(NO_ID, ("b",))[0] is sessions[2]
+    assert store.resolve(NO_ID, ("a",))[1] == "none"  # forgotten: 5 tool ids, at most 4 kept, at least the last 2
+    assert store.resolve(NO_ID, ("d",))[0] is store.resolve(NO_ID, ("e",))[0] is sessions[2]
+    assert len(store._by_tool) <= 4
     assert len(store.view()["recent"]) == 2  # bounded too
 
 
