@@ -481,6 +481,10 @@ class SessionStore:
 
     # -- sharing between gateways (pools/shared_state.py) --------------------------------------------------------
 
+    def pending_events(self) -> int:
+        """Answer records waiting for the shared-state flusher."""
+        return len(self._outbox)
+
     def drain_events(self, limit: int = 1024) -> tuple[bytes, int]:
         """Up to `limit` unpublished answer records, encoded as one batch, and how many: (b"", 0) when none."""
         outbox = self._outbox
