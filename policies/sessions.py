@@ -200,30 +200,45 @@ def _result_ids(item: Any, api: str) -> list[str] | None:
     return None
 
 
-def tool_result_ids(body: Mapping[str, Any], api: str) -> tuple[str, ...]:
-    """The tool-call ids whose results end the request (the trailing results, newest first): those answer the
-    latest assistant turn, the one most likely still remembered. Walks back from the end only, so a long history
-    costs nothing. Responses: the model's own items (its function calls, reasoning) between results are skipped."""
+_USER_ROLES = frozenset({"user", "system", "developer"})
+
+
+def _trailing_results(body: Mapping[str, Any], api: str) -> tuple[tuple[str, ...], bool]:
+    """(ids, whether any tool result ends the request): see `tool_result_ids`."""
     if api not in ("chat", "responses", "messages"):
-        return ()
-    items = _items(body, api)
+        return (), False
     out: list[str] = []
-    for item in reversed(items):
+    found = False
+    for item in reversed(_items(body, api)):
         ids = _result_ids(item, api)
-        if ids is None:
-            if api == "responses" and isinstance(item, dict) and item.get("type") in _RESPONSES_MODEL_ITEMS:
-                continue  # the calls these results answer, or reasoning, between parallel results
+        if ids is not None:
+            found = True
+            out.extend(reversed(ids))
+            if api == "messages":  # Anthropic carries all of a turn's results in one user message
+                break
+            continue
+        if not isinstance(item, dict):
             break
-        out.extend(reversed(ids))
-        if api == "messages":  # Anthropic carries all of a turn's results in one user message
-            break
-    return tuple(out)
+        if api == "responses" and item.get("type") in _RESPONSES_MODEL_ITEMS:
+            continue  # the calls these results answer, or reasoning, between parallel results
+        if not found and item.get("role") in _USER_ROLES:
+            continue  # a note the agent appends after the results (a reminder, a screenshot)
+        break
+    return tuple(out), found
+
+
+def tool_result_ids(body: Mapping[str, Any], api: str) -> tuple[str, ...]:
+    """The tool-call ids whose results end the request (the trailing results, newest first, past any user note the
+    agent appended after them): those answer the latest assistant turn, the one most likely still remembered. Walks
+    back from the end only, so a long history costs nothing. Responses: the model's own items (its function calls,
+    reasoning) between results are skipped."""
+    return _trailing_results(body, api)[0]
 
 
 def turn_kind(body: Mapping[str, Any], api: str) -> str:
-    """"tool_result" when the request ends with tool results, "first" when its history has no assistant turn,
-    "user" otherwise (a person or an agent loop spoke after an answer)."""
-    if tool_result_ids(body, api):
+    """"tool_result" when the request ends with tool results (a note after them allowed), "first" when its history
+    has no assistant turn, "user" otherwise (a person or an agent loop spoke after an answer)."""
+    if _trailing_results(body, api)[1]:
         return "tool_result"
     items = _items(body, api)
     if api == "completions" or not any(_is_model_item(item, api) for item in items):

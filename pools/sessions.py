@@ -49,6 +49,7 @@ __all__ = [
     "decode_events",
     "tool_key",
     "usage_counts",
+    "wall_clock",
 ]
 
 DEFAULT_MAX_SESSIONS = 100_000
@@ -70,6 +71,16 @@ _CACHE = {k: i for i, k in enumerate(CACHE_PATHS)}
 # the session's start, wait, model time, prompt / completion / cached tokens, tool calls asked. 34 bytes.
 _TURN = struct.Struct("<IBBBxfffIIIH")
 _U32 = 0xFFFFFFFF
+
+
+def wall_clock(monotonic_t: float, now_monotonic: float | None = None, now_wall: float | None = None) -> float:
+    """The wall-clock time of a `time.monotonic()` reading (RequestRecord's stage times are monotonic; the store's
+    are wall clock, to be comparable between gateways)."""
+    if now_monotonic is None:
+        now_monotonic = time.monotonic()
+    if now_wall is None:
+        now_wall = time.time()
+    return now_wall - (now_monotonic - monotonic_t)
 
 
 def tool_key(call_id: str) -> int:
@@ -467,7 +478,9 @@ class SessionStore:
                 "tool_s": round(s.tool_s, 3), "tool_waits": s.tool_waits,
                 "think_s": round(s.think_s, 3), "think_waits": s.think_waits,
                 "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-                "cached_tokens": s.cached_tokens, "warm_turns": s.warm_turns, "cold_turns": s.cold_turns,
+                "cached_tokens": s.cached_tokens,
+                "cached_share": round(s.cached_tokens / s.prompt_tokens, 3) if s.prompt_tokens else None,
+                "warm_turns": s.warm_turns, "cold_turns": s.cold_turns,
                 "recent_turns": turns,
             }
 

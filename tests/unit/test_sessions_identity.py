@@ -105,9 +105,14 @@ def test_chat_tool_results_are_the_trailing_tool_messages() -> None:
     ]}
     assert tool_result_ids(body, "chat") == ("c2", "c1")
     assert turn_kind(body, "chat") == "tool_result"
-    body["messages"].append({"role": "user", "content": "thanks"})
+    body["messages"].append({"role": "user", "content": "<system-reminder>tests pass</system-reminder>"})
+    assert tool_result_ids(body, "chat") == ("c2", "c1")  # a note appended after the results
+    assert turn_kind(body, "chat") == "tool_result"
+    body["messages"][-3:] = [{"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]
     assert tool_result_ids(body, "chat") == ()
     assert turn_kind(body, "chat") == "user"
+    assert turn_kind({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}, {"role": "tool"}]},
+                     "chat") == "tool_result"  # a result without an id is still one
 
 
 def test_responses_function_call_outputs_even_interleaved_with_their_calls() -> None:
@@ -123,6 +128,8 @@ def test_responses_function_call_outputs_even_interleaved_with_their_calls() -> 
     body["input"][3:5] = [body["input"][4], body["input"][3]]  # fc c1, fco c1, fc c2, fco c2
     assert set(tool_result_ids(body, "responses")) == {"c1", "c2"}
     assert turn_kind(body, "responses") == "tool_result"
+    body["input"].append({"role": "user", "content": "also check b"})
+    assert set(tool_result_ids(body, "responses")) == {"c1", "c2"}
     assert turn_kind({"input": "hello"}, "responses") == "first"
     assert tool_result_ids({"input": "hello"}, "responses") == ()
 

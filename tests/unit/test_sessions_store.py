@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from policies.sessions import SessionIdentity, history_keys, identify, redacted, tool_result_ids, turn_kind
-from pools.sessions import SessionStore, decode_events, tool_key, usage_counts
+from pools.sessions import SessionStore, decode_events, tool_key, usage_counts, wall_clock
 
 
 class Clock:
@@ -229,6 +229,7 @@ def test_view_hashes_ids_and_keeps_only_the_last_turns() -> None:
                     "model_s": 1.5, "prompt_tokens": 100, "completion_tokens": 10, "cached_tokens": 80,
                     "cache": "warm", "tool_calls": 1}
     assert entry["turns"] == 5 and entry["think_waits"] == 4 and entry["task_s"] == 11.5
+    assert entry["cached_share"] == 0.8 and entry["warm_turns"] == 5
     assert store.view(raw_ids=True)["open"][0]["id"] == "secret-id"
 
 
@@ -289,3 +290,7 @@ def test_a_turn_begun_before_the_previous_answer_record_arrived_is_renumbered_an
     a.end_turn(late, clock.advance(1))
     assert (late.index, late.wait_kind, late.wait_s) == (3, "tool", 0.5)
     assert (a_s.turns, a_s.tool_waits, a_s.tool_s) == (3, 2, 1.5)  # turn 2's 1.0 (from B) + turn 3's 0.5
+
+
+def test_wall_clock_of_a_monotonic_reading() -> None:
+    assert wall_clock(100.0, now_monotonic=102.5, now_wall=1000.0) == 997.5
