@@ -346,7 +346,7 @@ def history_keys(body: Mapping[str, Any], api: str, scope: str = "") -> tuple[in
             break
     lookup: int | None = None
     for i, item in enumerate(items):
-        if i == boundary:
+        if i == boundary and (i > 0 or system is not None):  # an empty history would match every other empty one
             lookup = state.intdigest()
         update(_canonical(item, api))
     return lookup, state.intdigest()

@@ -181,6 +181,12 @@ def test_chat_history_chains_over_turns_with_a_tool_loop() -> None:
     assert history_keys({"messages": [sys_, u1, a1_echo, t1, a2, u2]}, "chat") == keys[2]
 
 
+def test_a_history_that_starts_with_the_model_has_nothing_to_look_up() -> None:
+    body = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]}
+    assert history_keys(body, "chat")[0] is None
+    assert history_keys({"system": "s", **body}, "messages")[0] is not None
+
+
 def test_history_scope_separates_tenants_and_content_changes_the_key() -> None:
     body = {"messages": [{"role": "user", "content": "hello"}]}
     assert history_keys(body, "chat", scope="key-a") != history_keys(body, "chat", scope="key-b")
