@@ -153,6 +153,12 @@ _RESPONSES_RESULT_ITEMS = frozenset({"function_call_output", "custom_tool_call_o
                                      "local_shell_call_output", "mcp_approval_response"})
 
 
+def _field(item: dict[str, Any], name: str) -> str | None:
+    """A string field, or None: odd JSON may put a list where a type name belongs (and a list is unhashable)."""
+    value = item.get(name)
+    return value if isinstance(value, str) else None
+
+
 def _items(body: Mapping[str, Any], api: str) -> Sequence[Any]:
     key = "input" if api == "responses" else "messages"
     items = body.get(key)
@@ -167,7 +173,7 @@ def _is_model_item(item: Any, api: str) -> bool:
     if not isinstance(item, dict):
         return False
     if api == "responses":
-        kind = item.get("type")
+        kind = _field(item, "type")
         if kind in _RESPONSES_MODEL_ITEMS:
             return True
         return item.get("role") == "assistant" and kind in (None, "message")
@@ -184,7 +190,7 @@ def _result_ids(item: Any, api: str) -> list[str] | None:
         call_id = item.get("tool_call_id")
         return [call_id] if isinstance(call_id, str) and call_id else []
     if api == "responses":
-        if item.get("type") not in _RESPONSES_RESULT_ITEMS:
+        if _field(item, "type") not in _RESPONSES_RESULT_ITEMS:
             return None
         call_id = item.get("call_id")
         return [call_id] if isinstance(call_id, str) and call_id else []
@@ -219,9 +225,9 @@ def _trailing_results(body: Mapping[str, Any], api: str) -> tuple[tuple[str, ...
             continue
         if not isinstance(item, dict):
             break
-        if api == "responses" and item.get("type") in _RESPONSES_MODEL_ITEMS:
+        if api == "responses" and _field(item, "type") in _RESPONSES_MODEL_ITEMS:
             continue  # the calls these results answer, or reasoning, between parallel results
-        if not found and item.get("role") in _USER_ROLES:
+        if not found and _field(item, "role") in _USER_ROLES:
             continue  # a note the agent appends after the results (a reminder, a screenshot)
         break
     return tuple(out), found
@@ -263,7 +269,7 @@ def _content(content: Any) -> Any:
     texts: list[str] | None = []
     for part in content:
         if isinstance(part, dict):
-            if part.get("type") in _SKIPPED_PARTS:
+            if _field(part, "type") in _SKIPPED_PARTS:
                 continue
             if any(k in part for k in _DROPPED_PART_KEYS):
                 part = {k: v for k, v in part.items() if k not in _DROPPED_PART_KEYS}

@@ -8,6 +8,8 @@ import itertools
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
 from policies.sessions import (
@@ -313,3 +315,26 @@ def test_sse_scanner_ignores_text_and_bounds_what_it_keeps() -> None:
     plain = SseToolCallScanner("completions")
     plain.feed(CHAT_STREAM)
     assert plain.ids == ()
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+                     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["role", "content", "type", "tool_calls", "tool_call_id", "call_id", "id",
+                                          "tool_use_id", "text", "messages", "input", "system", "function"]),
+                         inner, max_size=5), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["messages", "input", "system", "instructions", "prompt", "user",
+                                             "session_id", "metadata"]), _json, max_size=4))
+def test_odd_json_never_raises(body: dict) -> None:
+    for api in ("chat", "completions", "responses", "messages"):
+        identify({}, body, api)
+        tool_result_ids(body, api)
+        turn_kind(body, api)
+        history_keys(body, api)
+        raw = orjson.dumps(body)
+        answer_tool_call_ids(raw, api)
+        scanner = SseToolCallScanner(api)
+        scanner.feed(b"data: " + raw + b"\n\n")
