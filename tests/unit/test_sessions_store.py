@@ -7,6 +7,8 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.sessions import SessionIdentity, history_keys, identify, redacted, tool_result_ids, turn_kind
 from pools.sessions import SessionStore, decode_events, tool_key, usage_counts, wall_clock
@@ -294,3 +296,42 @@ def test_a_turn_begun_before_the_previous_answer_record_arrived_is_renumbered_an
 
 def test_wall_clock_of_a_monotonic_reading() -> None:
     assert wall_clock(100.0, now_monotonic=102.5, now_wall=1000.0) == 997.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_decode_events_rejects_garbage_only_with_the_documented_errors(blob: bytes) -> None:
+    for data in (blob, b"\x01" + blob):
+        try:
+            decode_events(data)
+        except (ValueError, struct.error):  # UnicodeDecodeError is a ValueError
+            pass
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["explicit", "tool", "history", "new", "end", "advance", "final"]),
+                          st.integers(0, 5)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ops)
+def test_bounds_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
+    clock = Clock()
+    store = _store(clock, max_sessions=3, max_keys=4, max_recent=2, idle_timeout_s=10, recent_turns=2)
+    open_turns = []
+    for op, n in ops:
+        if op == "advance":
+            clock.advance(n * 3)
+            continue
+        if op == "end":
+            if open_turns:
+                store.end_turn(open_turns.pop(n % len(open_turns)), clock.advance(0.5), (f"c{n}",), n,
+                               _usage(100, n * 20))
+            continue
+        identity = {"explicit": SessionIdentity(f"s{n}", "header"), "final": SessionIdentity(f"s{n}", "header",
+                                                                                            final=True)}.get(op, NO_ID)
+        session, _ = store.resolve(identity, (f"c{n}",) if op == "tool" else (), n if op == "history" else None)
+        open_turns.append(store.begin_turn(session, "user"))
+        assert len(store) <= 3 and len(store._by_tool) <= 4 and len(store._by_history) <= 4
+    for s in list(store._open.values()) + list(store._ended):
+        assert s.in_flight >= 0 and len(s.recent) <= 2 * 34 and s.tool_s >= 0 and s.think_s >= 0
+    assert len(store.view()["recent"]) <= 2
