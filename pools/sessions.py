@@ -175,7 +175,8 @@ class _RecentKeys:
     whole when the newer fills half the capacity, so a key is remembered for at least capacity/2 later puts.
 
     Why not an LRU: popping a plain dict's oldest entry scans the deleted slots before it (quadratic over time), and
-    an OrderedDict costs 60% more memory per entry; a key is looked up about once anyway (by the next turn)."""
+    an OrderedDict costs 60% more memory per entry; a key is looked up about once anyway (by the next turn). The
+    price: dropping a generation frees it at once, ~1-3 ms of the event loop every capacity/2 answers."""
 
     __slots__ = ("_half", "_new", "_old")
 
