@@ -13,8 +13,9 @@ else a new session with a generated id. Then per request:
 Times are wall-clock seconds (`time.time`, injectable): other gateways' answers arrive with their timestamps, and
 monotonic clocks differ between processes. Memory is bounded: at most `max_sessions` open sessions (LRU), each with
 aggregates and its last `recent_turns` turns packed in one bytes object; at most `max_keys` remembered tool-call ids
-and as many history keys (default 2 per session; the newest half always kept); `max_recent` ended sessions for the admin view; `max_outbox` unpublished
-events. Nothing here logs or labels a raw id: `view` hashes them unless asked.
+and as many history keys (default 2 per session; the newest half always kept); `max_recent` ended sessions for the
+admin view; `max_outbox` unpublished events. 100k sessions take ~105 MiB (`python -m loadtests.bench_sessions`).
+Nothing here logs or labels a raw id: `view` hashes them unless asked.
 
 Sharing (pools/shared_state.py): with `shared=True`, each answer's record (session id, turn, tool-call id hashes,
 history key, wall-clock times, tokens) waits in an outbox the shared-state flusher drains every 25 ms into the same

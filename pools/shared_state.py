@@ -141,7 +141,8 @@ class LocalState:
 
 # -- wire format ---------------------------------------------------------------------------------------------------
 # One stream entry per flush, not per dispatch: {g: gateway id, d: batch}, plus s: the session store's batch of answer
-# records when there is one (its format is pools/sessions.py's; an entry may carry s alone). redis-py builds commands and (without
+# records when there is one (its format is pools/sessions.py's; an entry may carry s alone; a gateway without session
+# support (older versions) logs an s-only entry once as malformed and skips it). redis-py builds commands and (without
 # hiredis) parses replies in Python, so an XADD per dispatch cost ~55 µs per dispatch to send (a flush of 100: 5.5 ms)
 # and again to parse on every reader; batched, a flush of 100 takes ~0.7 ms and a reader parses one field. The batch
 # is a version byte, then per dispatch a fixed header (flags: bit 0 = has a session key, bit 1 = hashes are signed;
@@ -241,8 +242,8 @@ class RedisState:
     """Routing state shared through Redis: a dispatch stream per model and per-gateway in-flight snapshots.
 
     Keys, under `key_prefix` (one prefix per model, e.g. "m3gate:MiniMaxAI/MiniMax-M3:"):
-    `dispatch` (stream of {g: gateway id, d: batch, s: session records}), `gateways` (set of live gateway ids), `inflight:<id>` (JSON
-    {url: count}, TTL). Counters count dispatches, not stream entries.
+    `dispatch` (stream of {g: gateway id, d: batch, s: session records}), `gateways` (set of live gateway ids),
+    `inflight:<id>` (JSON {url: count}, TTL). Counters count dispatches, not stream entries.
     """
 
     def __init__(
@@ -498,7 +499,8 @@ class RedisState:
     async def flush(self) -> None:
         """Publish buffered dispatches and this gateway's in-flight snapshot in one pipeline (one round trip).
 
-        Skipped when there is nothing new: no dispatch, same snapshot, published less than a quarter TTL ago."""
+        Skipped when there is nothing new: no dispatch, no session record, same snapshot, published less than a
+        quarter TTL ago."""
         batch = self._take_batch()
         events, n_events = self._take_session_events()
         snapshot = {url: n for url, n in self.local_in_flight().items() if n > 0}
