@@ -11,6 +11,10 @@ nothing here is awaited on the request path:
   in-flight snapshot with a short TTL (so a gateway that dies stops counting within seconds), plus its id in a
   registry set.
 - A reader task blocks on XREAD and hands other gateways' dispatches to `apply_remote` (the policy's `dispatched`).
+- With a `sessions` sync (pools/sessions.py's SessionStore), the same flush also carries the answers that ended since
+  the last one (session id, tool-call ids, history key, wall-clock times), encoded by the store, in the same stream
+  entry; the reader hands other gateways' to `sessions.apply_events`, so a session whose turns alternate between
+  gateways is one session everywhere.
 - A poller task reads the other gateways' snapshots every `poll_interval_s` and sums them per replica;
   `remote_in_flight` is then a dict lookup.
 
@@ -46,6 +50,7 @@ __all__ = [
     "ApplyRemote",
     "LocalState",
     "RedisState",
+    "SessionSync",
     "SharedState",
     "SharedStateCounters",
     "build_shared_state",
@@ -63,6 +68,19 @@ LocalInFlight = Callable[[], Mapping[str, int]]
 """This gateway's own in-flight requests per replica url."""
 
 
+class SessionSync(Protocol):
+    """What the shared state needs from the session store (pools/sessions.py): its records are opaque bytes here."""
+
+    def pending_events(self) -> int:
+        """Answer records waiting to be published."""
+
+    def drain_events(self, limit: int) -> tuple[bytes, int]:
+        """Up to `limit` waiting records as one encoded batch, and their number; (b"", 0) when none."""
+
+    def apply_events(self, blob: bytes) -> int:
+        """Apply another gateway's batch; the number of records; ValueError / struct.error when malformed."""
+
+
 @dataclass(slots=True)
 class SharedStateCounters:
     """Monotonic counters for the metrics layer (read them; never reset them)."""
@@ -77,6 +95,9 @@ class SharedStateCounters:
     apply_errors: int = 0  # apply_remote raised (a bug: counted and logged once, never propagated)
     disconnects: int = 0  # times Redis became unreachable
     reconnects: int = 0  # times it came back
+    session_events_sent: int = 0  # answer records published (pools/sessions.py)
+    session_events_received: int = 0  # other gateways' answer records applied
+    session_events_dropped: int = 0  # answer records lost with a failed flush
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -119,7 +140,9 @@ class LocalState:
 
 
 # -- wire format ---------------------------------------------------------------------------------------------------
-# One stream entry per flush, not per dispatch: {g: gateway id, d: batch}. redis-py builds commands and (without
+# One stream entry per flush, not per dispatch: {g: gateway id, d: batch}, plus s: the session store's batch of answer
+# records when there is one (its format is pools/sessions.py's; an entry may carry s alone; a gateway without session
+# support (older versions) logs an s-only entry once as malformed and skips it). redis-py builds commands and (without
 # hiredis) parses replies in Python, so an XADD per dispatch cost ~55 µs per dispatch to send (a flush of 100: 5.5 ms)
 # and again to parse on every reader; batched, a flush of 100 takes ~0.7 ms and a reader parses one field. The batch
 # is a version byte, then per dispatch a fixed header (flags: bit 0 = has a session key, bit 1 = hashes are signed;
@@ -219,8 +242,8 @@ class RedisState:
     """Routing state shared through Redis: a dispatch stream per model and per-gateway in-flight snapshots.
 
     Keys, under `key_prefix` (one prefix per model, e.g. "m3gate:MiniMaxAI/MiniMax-M3:"):
-    `dispatch` (stream of {g: gateway id, d: batch}), `gateways` (set of live gateway ids), `inflight:<id>` (JSON
-    {url: count}, TTL). Counters count dispatches, not stream entries.
+    `dispatch` (stream of {g: gateway id, d: batch, s: session records}), `gateways` (set of live gateway ids),
+    `inflight:<id>` (JSON {url: count}, TTL). Counters count dispatches, not stream entries.
     """
 
     def __init__(
@@ -242,12 +265,14 @@ class RedisState:
         backoff_max_s: float = 2.0,
         connect_timeout_s: float = 0.5,
         gateway_id: str | None = None,
+        sessions: SessionSync | None = None,
     ) -> None:
         if flush_interval_s <= 0 or poll_interval_s <= 0 or inflight_ttl_s <= 0 or max_buffer <= 0 or max_batch <= 0:
             raise ValueError("intervals, TTL and buffer sizes must be positive")
         self.url = url
         self.apply_remote = apply_remote
         self.local_in_flight = local_in_flight
+        self.sessions = sessions
         self.flush_interval_s = flush_interval_s
         self.poll_interval_s = poll_interval_s
         self.read_block_ms = read_block_ms
@@ -362,7 +387,8 @@ class RedisState:
 
     async def _goodbye(self) -> None:
         pipe = self._client.pipeline(transaction=False)
-        self._queue_dispatches(pipe, self._take_batch())
+        events, _ = self._take_session_events()
+        self._queue_dispatches(pipe, self._take_batch(), events)
         pipe.delete(self.inflight_key)
         pipe.srem(self.registry_key, self._gid)
         await pipe.execute()
@@ -439,7 +465,8 @@ class RedisState:
                     await self._reconnect()
                     continue
                 await self.flush()
-                if len(self._buffer) >= self.max_batch:
+                if len(self._buffer) >= self.max_batch or \
+                        (self.sessions is not None and self.sessions.pending_events() >= self.max_batch):
                     delay = 0.0  # a backlog (after an outage): keep going, one batch per loop turn
             except _CONNECTION_ERRORS as exc:
                 self._lost(exc, epoch)
@@ -455,23 +482,34 @@ class RedisState:
         buffer = self._buffer
         return [buffer.popleft() for _ in range(min(len(buffer), self.max_batch))]
 
-    def _queue_dispatches(self, pipe: Any, batch: list[tuple[str, str, RoutingRequest]]) -> None:
-        if batch:
-            max_blocks = self.max_blocks
-            blob = encode_batch([encode_dispatch(pool, replica, req, max_blocks) for pool, replica, req in batch])
-            pipe.xadd(self.stream_key, {b"g": self._gid, b"d": blob}, maxlen=self.stream_maxlen, approximate=True)
+    def _take_session_events(self) -> tuple[bytes, int]:
+        return self.sessions.drain_events(self.max_batch) if self.sessions is not None else (b"", 0)
+
+    def _queue_dispatches(self, pipe: Any, batch: list[tuple[str, str, RoutingRequest]], events: bytes = b"") -> None:
+        if batch or events:
+            fields = {b"g": self._gid}
+            if batch:
+                max_blocks = self.max_blocks
+                fields[b"d"] = encode_batch([encode_dispatch(pool, replica, req, max_blocks)
+                                             for pool, replica, req in batch])
+            if events:
+                fields[b"s"] = events
+            pipe.xadd(self.stream_key, fields, maxlen=self.stream_maxlen, approximate=True)
 
     async def flush(self) -> None:
         """Publish buffered dispatches and this gateway's in-flight snapshot in one pipeline (one round trip).
 
-        Skipped when there is nothing new: no dispatch, same snapshot, published less than a quarter TTL ago."""
+        Skipped when there is nothing new: no dispatch, no session record, same snapshot, published less than a
+        quarter TTL ago."""
         batch = self._take_batch()
+        events, n_events = self._take_session_events()
         snapshot = {url: n for url, n in self.local_in_flight().items() if n > 0}
         now = time.monotonic()
-        if not batch and snapshot == self._published and now - self._published_at < self.inflight_ttl_s / 4:
+        if not batch and not n_events and snapshot == self._published \
+                and now - self._published_at < self.inflight_ttl_s / 4:
             return
         pipe = self._client.pipeline(transaction=False)
-        self._queue_dispatches(pipe, batch)
+        self._queue_dispatches(pipe, batch, events)
         ttl_ms = int(self.inflight_ttl_s * 1000)
         pipe.set(self.inflight_key, orjson.dumps(snapshot), px=ttl_ms)
         pipe.sadd(self.registry_key, self._gid)
@@ -480,10 +518,12 @@ class RedisState:
             await pipe.execute()
         except BaseException:
             self.counters.entries_dropped += len(batch)
+            self.counters.session_events_dropped += n_events
             raise
         self._published, self._published_at = snapshot, now
         self.counters.flushes += 1
         self.counters.entries_sent += len(batch)
+        self.counters.session_events_sent += n_events
 
     # -- reader --------------------------------------------------------------------------------------------------
 
@@ -533,8 +573,12 @@ class RedisState:
             self._last_id = entry_id
             if fields.get(b"g") == own:
                 continue
+            events = fields.get(b"s")
             try:
-                dispatches = decode_batch(fields[b"d"])
+                blob = fields.get(b"d")
+                if blob is None and events is None:
+                    raise KeyError(b"d")
+                dispatches = decode_batch(blob) if blob is not None else []
             except (KeyError, ValueError, struct.error, UnicodeDecodeError):
                 counters.errors += 1
                 self._log_once("decode", "shared state: ignoring a malformed entry %r in %s", entry_id,
@@ -551,6 +595,22 @@ class RedisState:
                         log.exception("shared state: applying a remote dispatch failed")
                     continue
                 counters.entries_applied += 1
+            if events is not None and self.sessions is not None:
+                self._apply_session_events(entry_id, events)
+
+    def _apply_session_events(self, entry_id: bytes, events: bytes) -> None:
+        assert self.sessions is not None
+        try:
+            self.counters.session_events_received += self.sessions.apply_events(events)
+        except (ValueError, struct.error, UnicodeDecodeError):
+            self.counters.errors += 1
+            self._log_once("decode-sessions", "shared state: ignoring malformed session records in %r of %s",
+                           entry_id, self.stream_key)
+        except Exception:
+            self.counters.apply_errors += 1
+            if "apply-sessions" not in self._logged:
+                self._logged.add("apply-sessions")
+                log.exception("shared state: applying remote session records failed")
 
     # -- poller --------------------------------------------------------------------------------------------------
 
@@ -598,12 +658,15 @@ class RedisState:
 
 
 def build_shared_state(url: str | None, apply_remote: ApplyRemote, local_in_flight: LocalInFlight,
-                       *, model: str | None = None) -> SharedState:
+                       *, model: str | None = None, sessions: SessionSync | None = None) -> SharedState:
     """`state:` from the config: unset (or "memory") → this process only; redis://, rediss://, unix:// → Redis,
-    with keys under "m3gate:<model>:" so that gateways of different models can share one Redis."""
+    with keys under "m3gate:<model>:" so that gateways of different models can share one Redis. `sessions`: the
+    session store whose answers are shared too (it must be built with `shared=True` only when this returns a
+    RedisState, or its outbox fills for nobody: bounded, but wasted)."""
     if not url or url == "memory":
         return LocalState()
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"state: unsupported URL scheme {scheme!r}; use redis://host:port/db (or leave it unset)")
-    return RedisState(url, apply_remote, local_in_flight, key_prefix=f"m3gate:{model or 'default'}:")
+    return RedisState(url, apply_remote, local_in_flight, key_prefix=f"m3gate:{model or 'default'}:",
+                      sessions=sessions)
