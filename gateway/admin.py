@@ -141,6 +141,24 @@ async def admin_traffic(request: Request) -> Response:
     return JSONResponse(request.app.state.gateway.traffic.view())
 
 
+async def admin_sessions(request: Request) -> Response:
+    """Open and recently ended agent sessions with their last turns' timings; ids hashed, no prompt text."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    gw: Gateway = request.app.state.gateway
+    if gw.sessions is None:
+        return error_response(404, "Session tracking is off (sessions.enabled: false).", "not_found_error",
+                              code="sessions_disabled")
+    try:
+        limit = min(1000, max(1, int(request.query_params.get("limit", "100"))))
+    except ValueError:
+        return error_response(400, "`limit` must be an integer (1-1000).", param="limit", code="invalid_value")
+    store = gw.sessions.store
+    return JSONResponse({**gw.sessions.view(limit), "open_sessions": len(store),
+                         "counters": {"opened": store.counters.sessions, "resolved": store.counters.resolved,
+                                      "ended": store.counters.ended}})
+
+
 def admin_routes() -> list[Route]:
     return [
         Route("/admin/pools", pools, methods=["GET"]),
@@ -150,4 +168,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/reload", reload_status, methods=["GET"]),
         Route("/admin/config", effective_config, methods=["GET"]),
         Route("/admin/traffic", admin_traffic, methods=["GET"]),
+        Route("/admin/sessions", admin_sessions, methods=["GET"]),
     ]

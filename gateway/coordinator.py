@@ -87,6 +87,9 @@ class Coordinator:
             body = parse_json_object(raw)
             check_model(body, gw.served_models)
             gw.traffic.check_input(body, api)
+            sessions = gw.sessions
+            session = sessions.begin(record, request.scope["headers"], body, api, gw.clock()) if sessions is not None \
+                else session_key(request, body)
             profile = await self.classify(body, api, len(raw))
             record.stream = profile.stream
             record.thinking_mode = profile.thinking_mode
@@ -101,7 +104,7 @@ class Coordinator:
                 prompt_tokens=profile.prompt_tokens,
                 output_budget=profile.output_budget,
                 block_hashes=self.prefix_blocks(body, api),
-                session_key=session_key(request, body),
+                session_key=session,
             )
             record.t_routed = gw.clock()
             admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
@@ -361,6 +364,8 @@ class Coordinator:
                 guard.release()
             if upstream.status == 400 and attempt.heal and (larger := self._larger_pool(attempt, pool, body, routing)):
                 return larger
+            if record.session is not None and gw.sessions is not None:
+                gw.sessions.answered(record, body)
             record.t_first_byte = record.t_last_byte = gw.clock()
             if upstream.status == 200 and "content-encoding" not in upstream.headers:
                 record.usage = usage_of(body)
@@ -440,6 +445,9 @@ class Coordinator:
                 )
         if record.status == 200 and record.usage:
             self._learn_from_answer(record, record.usage)
+        if record.session is not None and gw.sessions is not None:
+            ids = record.trace
+            gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)
         gw.telemetry.finish(record)
 
     def _learn_from_answer(self, record: RequestRecord, usage: dict[str, Any]) -> None:

@@ -50,6 +50,10 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # vLLM's ITL/TPOT boundaries from 10 ms up
 ITL_BUCKETS = TPOT_BUCKETS  # vllm:inter_token_latency_seconds' boundaries, plus 1, 2.5 and 5 ms for batched chunks
+# agent sessions: tools run from milliseconds to minutes; people think for seconds to many minutes
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+SESSION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 14400.0)
+TURN_BUCKETS = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0, 55.0, 89.0, 144.0, 233.0)
 # actual ÷ predicted: 1 is a perfect prediction; log-spaced both ways (a 10× miss either way is still a bucket)
 RATIO_BUCKETS = (0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -307,6 +311,24 @@ class RequestMetrics:
         self.ttft_p90_covered = counter(
             "m3gate_ttft_p90_covered", "Streamed requests whose TTFT (from the upstream send) was at or under the "
             "predicted P90 (covered=true) or above it (false): the calibration's coverage.", ("pool", "covered"))
+        self.tool_turnaround = histogram(
+            "m3gate_tool_turnaround_seconds", "Agent sessions: last byte of an answer that asked for tools → arrival "
+            "of the request carrying their results (the client's tools' time).", cls, WAIT_BUCKETS)
+        self.user_think = histogram(
+            "m3gate_user_think_seconds", "Agent sessions: last byte of a final answer → the next user turn.", cls,
+            WAIT_BUCKETS)
+        self.turns = counter(
+            "m3gate_turns", "Session turns by kind (first, user, tool_result), cache path (warm: at least "
+            "sessions.warm_share of the prompt cached; cold; none: no usage) and how the session was found.",
+            ("pool", "class", "turn_kind", "cache_path", "id_source"))
+        self.turn_ttft = histogram(
+            "m3gate_turn_time_to_first_token_seconds", "Arrival to first token of streamed session turns, by turn "
+            "kind and cache path (warm vs cold turns).", ("pool", "class", "turn_kind", "cache_path"), TTFT_BUCKETS)
+        self.session_duration = histogram(
+            "m3gate_session_duration_seconds", "Ended sessions: first arrival → last byte of the last turn (task "
+            "time).", ("class",), SESSION_BUCKETS)
+        self.session_turns = histogram("m3gate_session_turns", "Ended sessions: their turns.", ("class",),
+                                       TURN_BUCKETS)
         self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
         self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
         self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time
@@ -375,6 +397,9 @@ class RequestMetrics:
             self.output_tokens.inc(by_class, float(completion))
             if cached:
                 self.cached_tokens.inc(by_class, float(cached))
+        turn = record.session
+        if turn is not None:
+            self._observe_turn(turn, by_class, record)
         if record.stream and record.status == 200 and record.t_first_byte and not record.client_disconnected:
             ttft = record.t_first_byte - record.t_arrival
             bucket = series.ttft.observe(ttft)
@@ -395,6 +420,25 @@ class RequestMetrics:
                     series.tpot.observe(decode / (completion - 1))
                     if decision is not None and decision.predicted_tpot_s:
                         self.tpot_prediction.observe((pool,), decode / (completion - 1) / decision.predicted_tpot_s)
+
+
+    def _observe_turn(self, turn: Any, by_class: tuple[str, str], record: RequestRecord) -> None:
+        """One session turn (gateway/sessions.py's SessionTurn): its kind and cache path, its wait, its TTFT."""
+        t = turn.turn
+        cache = turn.cache_path or NONE
+        self.turns.inc((*by_class, t.kind, cache, turn.source))
+        if t.wait_kind == "tool":
+            self.tool_turnaround.observe(by_class, t.wait_s)
+        elif t.wait_kind == "think":
+            self.user_think.observe(by_class, t.wait_s)
+        if record.stream and record.status == 200 and record.t_first_byte and not record.client_disconnected:
+            self.turn_ttft.observe((*by_class, t.kind, cache), record.t_first_byte - record.t_arrival)
+
+    def session_ended(self, session: Any) -> None:
+        """A session ended (final, idle, evicted): its task time and turns, by the class of its latest turn."""
+        cls = (session.traffic_class or NONE,)
+        self.session_duration.observe(cls, max(0.0, session.last_end - session.started))
+        self.session_turns.observe(cls, float(session.turns))
 
 
 class _RequestSeries(NamedTuple):

@@ -27,6 +27,7 @@ class RequestRecord:
     matched_blocks: int = 0
     decision: Any = None  # the attempt's RoutingDecision (predictions, calibration inputs, SLO verdict)
     ttft_slo_s: float | None = None  # the objective it was routed against, if any
+    session: Any = None  # its agent-session turn (gateway/sessions.py's SessionTurn), when sessions are tracked
     first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
     pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated
     max_tokens: int | None = None  # the caller's explicit output cap, if any

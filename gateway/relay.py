@@ -228,8 +228,12 @@ class StreamRelay:
         itl = record.extra.get("itl")
         counts, bounds = itl if itl is not None else (None, ())
         last = record.t_first_byte
+        turn = record.session  # an agent session's turn: its answer's tool-call ids are read as the bytes pass
+        scanner = turn.scanner if turn is not None else None
         try:
             if self.first_chunk:
+                if scanner is not None:
+                    scanner.feed(self.first_chunk)
                 out = filt.feed(self.first_chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -242,6 +246,8 @@ class StreamRelay:
                     now = time.monotonic()
                     counts[bisect_left(bounds, now - last)] += 1.0
                     last = now
+                if scanner is not None:
+                    scanner.feed(chunk)
                 out = filt.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})

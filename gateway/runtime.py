@@ -16,6 +16,7 @@ from gateway.admission import TrafficControl
 from gateway.discovery import DiscoveryManager
 from gateway.precise import PreciseRouting
 from gateway.relay import DisconnectWatches
+from gateway.sessions import SessionTracker
 from gateway.telemetry import Telemetry
 from policies.admission import pool_saturated
 from policies.config import GatewayConfig
@@ -26,6 +27,7 @@ from policies.tokens import TokenCounter
 from pools.monitor import ReplicaMonitor
 from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime, Replica
+from pools.sessions import Session
 from pools.shared_state import SharedState, build_shared_state
 
 
@@ -50,8 +52,12 @@ class Gateway:
         self.telemetry = Telemetry(self)
         self._register_precise_metrics()
         self.discovery = DiscoveryManager(lambda: self.pools, self.sync_prefix_index, resolver)
+        shares = bool(config.state) and config.state != "memory"
+        self.sessions = SessionTracker(config.sessions, shared=shares, on_end=self._session_ended) \
+            if config.sessions.enabled else None
         self.shared: SharedState = build_shared_state(
-            config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model
+            config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model,
+            sessions=self.sessions.store if self.sessions is not None and shares else None,
         )
         self.traffic = TrafficControl(config, clock, self.pool_saturated)
 
@@ -90,6 +96,10 @@ class Gateway:
             notes.append("`state` changes take effect on restart")
         if config.classification.encoding != old.classification.encoding:
             self.counter = TokenCounter(config.classification)
+        if config.sessions.enabled != old.sessions.enabled:
+            notes.append("sessions.enabled changes take effect on restart")
+        elif self.sessions is not None:
+            self.sessions.apply_config(config.sessions)
         self._apply_config(config)
         notes.extend(self.traffic.apply_config(config))
         if self.telemetry.apply_config(config):  # metrics turned on by this reload: a fresh registry
@@ -163,6 +173,11 @@ class Gateway:
         policy = self.policies.get(pool)
         if policy is not None and replica in self.pools[pool].replicas:
             policy.dispatched(request, replica, self.clock())
+
+    def _session_ended(self, session: Session) -> None:
+        metrics = getattr(self.telemetry, "metrics", None)
+        if metrics is not None:
+            metrics.requests.session_ended(session)
 
     def _local_in_flight(self) -> dict[str, int]:
         return {r.url: r.in_flight for r in self.all_replicas()}

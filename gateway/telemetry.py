@@ -49,7 +49,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerPr
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState, get_current_span
+from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -315,6 +315,20 @@ _NO_ATTRIBUTES: dict[str, Any] = {}
 _new_tuple = tuple.__new__
 
 
+def _session_values(turn: Any) -> tuple[Any, ...]:
+    """The server span's session attributes (SERVER_KEYS' session part), None where there is no session."""
+    if turn is None:
+        return _NO_SESSION
+    t = turn.turn
+    link = turn.previous_span
+    return (turn.trace_id, turn.trace_id, turn.source, t.index, t.kind, turn.cache_path or None,
+            t.wait_s * 1000 if t.wait_kind == "tool" else None, t.wait_s * 1000 if t.wait_kind == "think" else None,
+            link[0] if link else None, link[1] if link else None)
+
+
+_NO_SESSION = (None,) * 10
+
+
 def _context(trace_id: int, span_id: int, state: TraceState) -> SpanContext:
     """SpanContext(trace_id, span_id, False, SAMPLED, state) without its range checks (our ids are valid)."""
     return _new_tuple(SpanContext, (trace_id, span_id, False, SAMPLED, state, True))
@@ -501,6 +515,7 @@ class Tracing:
             first - arrival if streamed and not gone else None,
             err,
             True if gone else None,
+            *_session_values(record.session),
             # the attempts, 4 fields each
             *(attempts[0] if len(attempts) == 1 else [field for attempt in attempts for field in attempt]),
         )
@@ -569,8 +584,12 @@ class Tracing:
                 out.append(Span("m3gate.decode", _context(trace_id, new_id(), state), context, INTERNAL, first_ns,
                                 max(first_ns, end_ns), decode))
         attrs = {key: value for key, value in zip(SERVER_KEYS, values) if value is not None}
-        out.append(Span(values[0] + " " + values[1], server, parent, SERVER, offset + int(arrival * 1e9), end_ns,
-                        attrs, events, UNSET if server_error is None else Status(StatusCode.ERROR, server_error)))
+        link_trace, link_span = attrs.pop(_LINK_TRACE, None), attrs.pop(_LINK_SPAN, None)
+        span = Span(values[0] + " " + values[1], server, parent, SERVER, offset + int(arrival * 1e9), end_ns,
+                    attrs, events, UNSET if server_error is None else Status(StatusCode.ERROR, server_error))
+        if link_span is not None:  # the session's previous turn
+            span._links = (Link(_context(link_trace, link_span, _EMPTY_STATE), {"m3gate.link": "previous_turn"}),)
+        out.append(span)
         return out
 
     # lifecycle -------------------------------------------------------------------------------------------------
@@ -591,6 +610,7 @@ class Tracing:
 
 _EMPTY_STATE = TraceState()
 _RETRIED = Status(StatusCode.ERROR, "failed before the first byte; retried")
+_LINK_TRACE, _LINK_SPAN = "m3gate.link.trace_id", "m3gate.link.span_id"
 SERVER_KEYS = (  # the server span's attributes, in the order of Tracing.snapshot's values
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.stream", "http.request.method", "url.path",
     "http.response.status_code", "m3gate.api", "m3gate.thinking_mode", "m3gate.attempts", "gen_ai.request.max_tokens",
@@ -601,6 +621,10 @@ SERVER_KEYS = (  # the server span's attributes, in the order of Tracing.snapsho
     "m3gate.endpoint", "m3gate.prefix.matched_blocks", "m3gate.routing.reason",
     "m3gate.gateway_overhead_ms",  # the gateway's own share before the first upstream attempt
     "gen_ai.response.time_to_first_chunk", "error.type", "m3gate.client_disconnected",
+    # agent sessions (gateway/sessions.py): the id as sessions.trace_ids says, how it was found, the turn
+    "gen_ai.conversation.id", "session.id", "m3gate.session.id_source", "m3gate.turn.index", "m3gate.turn.kind",
+    "m3gate.cache_path", "m3gate.tool_turnaround_ms", "m3gate.user_think_ms",
+    _LINK_TRACE, _LINK_SPAN,  # not attributes: the previous turn's server span, linked
 )
 _FIXED = 20  # Tracing.snapshot's fixed fields, before the server attribute values
 _ATTEMPTS = _FIXED + len(SERVER_KEYS)  # where the attempts' fields start

@@ -107,6 +107,19 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         traffic.finished(record)
         return admitted
 
+    sessions = gw.sessions
+    assert sessions is not None
+    named = [*HEADERS, (b"x-session-id", b"bench-session-1")]
+    unnamed = list(HEADERS)
+    history = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Sure, here it is."},
+                                    {"role": "user", "content": "And now in French, please."}]}
+
+    def session_turn(headers: list[tuple[bytes, bytes]], turn_body: dict[str, Any]) -> None:
+        turn_record = RequestRecord(api="chat", stream=False, t_arrival=0.0)
+        sessions.begin(turn_record, headers, turn_body, "chat", 0.0)
+        turn_record.status = 200
+        sessions.end(turn_record, None)
+
     return {
         "check_header_size": lambda: check_header_size(HEADERS, cfg.limits.max_header_bytes),
         "KeyStore.authenticate": lambda: traffic.keys.authenticate(request.headers),
@@ -127,6 +140,8 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         "resolve_class": lambda: resolve_class(cfg.traffic, pools, "interactive", None, None),
         "request_priority": lambda: request_priority(cfg.traffic, "interactive", "adaptive"),
         "TrafficControl.admit+finished": admit,
+        "sessions begin+end, x-session-id": lambda: session_turn(named, body),
+        "sessions begin+end, inferred (history)": lambda: session_turn(unnamed, history),
     }
 
 

@@ -484,6 +484,23 @@ class InputLimitsConfig(_Strict):
     )
 
 
+class SessionsConfig(_Strict):
+    """Agent sessions (policies/sessions.py, pools/sessions.py): each request is put in its session, from the ids
+    clients send (x-session-id, x-claude-code-session-id, ...) or inferred from tool-call ids and history, and each
+    turn is timed (tool turnaround, user think time, warm or cold cache). Sticky routing uses the same identity."""
+
+    enabled: bool = Field(default=True, description="Track sessions (a few µs per request; 100k sessions ~105 MiB).")
+    idle_timeout_s: float = Field(default=900.0, gt=0, le=86_400, description="A session with no request this long "
+                                  "has ended (x-dynamo-session-final: true ends one at once).")
+    max_sessions: int = Field(default=100_000, ge=1, le=10_000_000, description="Open sessions kept (LRU).")
+    max_id_chars: int = Field(default=128, ge=16, le=4096, description="Longer ids are replaced by a hash of them.")
+    warm_share: float = Field(default=0.5, gt=0, le=1, description="A turn is `warm` when at least this share of "
+                              "its prompt was served from the replica's prefix cache (usage cached_tokens), else cold.")
+    trace_ids: Literal["raw", "hash"] = Field(default="hash", description="How span attributes gen_ai.conversation.id "
+                                              "and session.id show the session id: as sent, or a SHA-256 prefix "
+                                              "(the same on every gateway, so traces still group by session).")
+
+
 class GatewayConfig(_Strict):
     """Top of the config tree: `m3gate config schema` prints its JSON schema for editors."""
 
@@ -499,6 +516,7 @@ class GatewayConfig(_Strict):
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
     access: AccessConfig = Field(default_factory=AccessConfig)
     limits: InputLimitsConfig = Field(default_factory=InputLimitsConfig)
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
 
     @model_validator(mode="after")
     def _pools_consistent(self) -> GatewayConfig:

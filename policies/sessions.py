@@ -48,6 +48,7 @@ __all__ = [
     "identify",
     "redacted",
     "tool_result_ids",
+    "turn_facts",
     "turn_kind",
 ]
 
@@ -244,12 +245,17 @@ def tool_result_ids(body: Mapping[str, Any], api: str) -> tuple[str, ...]:
 def turn_kind(body: Mapping[str, Any], api: str) -> str:
     """"tool_result" when the request ends with tool results (a note after them allowed), "first" when its history
     has no assistant turn, "user" otherwise (a person or an agent loop spoke after an answer)."""
-    if _trailing_results(body, api)[1]:
-        return "tool_result"
-    items = _items(body, api)
-    if api == "completions" or not any(_is_model_item(item, api) for item in items):
-        return "first"
-    return "user"
+    return turn_facts(body, api)[0]
+
+
+def turn_facts(body: Mapping[str, Any], api: str) -> tuple[str, tuple[str, ...]]:
+    """(turn_kind, tool_result_ids) in one walk of the request's tail."""
+    ids, found = _trailing_results(body, api)
+    if found:
+        return "tool_result", ids
+    if api == "completions" or not any(_is_model_item(item, api) for item in _items(body, api)):
+        return "first", ids
+    return "user", ids
 
 
 # -- history keys ------------------------------------------------------------------------------------------------

@@ -142,6 +142,8 @@ class Session:
     warm_turns: int = 0
     cold_turns: int = 0
     recent: bytes = b""  # the last turns, `_TURN` records
+    traffic_class: str = ""  # the class of its latest turn (metrics by class; set by the gateway)
+    last_span: tuple[int, int] | None = None  # (trace id, span id) of its latest sampled turn, to link the next one
 
 
 @dataclass(slots=True, eq=False)
@@ -228,6 +230,7 @@ class SessionStore:
         max_outbox: int = 8192,
         clock: Callable[[], float] = time.time,
         id_prefix: str | None = None,
+        on_end: Callable[[Session], None] | None = None,
     ) -> None:
         if max_sessions <= 0 or idle_timeout_s <= 0 or recent_turns < 0 or max_recent < 0:
             raise ValueError("max_sessions and idle_timeout_s must be positive, recent_turns and max_recent >= 0")
@@ -248,6 +251,7 @@ class SessionStore:
         self._outbox: deque[tuple[Any, ...]] = deque(maxlen=max_outbox)
         self._id_prefix = id_prefix if id_prefix is not None else f"m3s-{secrets.token_hex(4)}-"
         self._next_id = 0
+        self.on_end = on_end  # called once per ended session (final, idle, evicted): duration and turn metrics
 
     def __len__(self) -> int:
         return len(self._open)
@@ -428,6 +432,8 @@ class SessionStore:
         session.end_reason = reason
         self.counters.ended[reason] += 1
         self._ended.append(session)
+        if self.on_end is not None:
+            self.on_end(session)
 
     def _expire(self, now: float, budget: int = 4) -> None:
         """End up to `budget` sessions idle past the timeout (the LRU's head): amortised over requests, so no sweep
