@@ -354,6 +354,7 @@ class Coordinator:
                     max(0, prompt - cached), record.t_first_byte - record.t_sent,
                     completion, record.t_last_byte - record.t_first_byte,
                 )
+        gw.recent.add(record)  # the status page's waterfall (a comparison while no page is open)
         gw.telemetry.finish(record)
 
 
