@@ -288,7 +288,7 @@ def to_markdown(contract: Contract) -> str:
     for c in contract.classes:
         kv = f", {_fmt_int(c.kv_blocks)} KV blocks" if c.kv_blocks is not None else ", KV blocks from /metrics"
         lines.append(f"| {c.name} | {c.priority} | {_fmt_tokens(c.context_ceiling) if c.pools else '—'} | "
-                     f"{c.replicas} replicas{kv} | {_targets_text(c, 'ttft')} | {_targets_text(c, 'tpot')} | "
+                     f"{c.replicas} replica{'' if c.replicas == 1 else 's'}{kv} | {_targets_text(c, 'ttft')} | {_targets_text(c, 'tpot')} | "
                      f"{_targets_text(c, 'e2e')} |")
     lines.append("")
     for c in contract.classes:
