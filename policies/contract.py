@@ -328,7 +328,7 @@ figure{margin:0;border:1px solid #e3e6eb;padding:8px}figcaption{font-size:12px;c
 
 def _bar_svg(title: str, rows: Sequence[tuple[str, float | None, float | None]], unit: str = "ms") -> str:
     """Horizontal bars: (label, observed, target); observed red when above its target, the target a black tick."""
-    width, label_w, row_h = 420, 120, 22
+    width, label_w, row_h = 470, 150, 22
     top = max([v for _, v, _t in rows if v is not None] + [t for _, _v, t in rows if t is not None] + [1e-9]) * 1.1
     height = 24 + row_h * len(rows)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
