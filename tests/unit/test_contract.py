@@ -116,3 +116,59 @@ def test_ui_state_needs_the_admin_key_and_shows_pools_classes_and_reload() -> No
 def test_ui_can_be_turned_off() -> None:
     client = TestClient(build_app(config(admin={"ui": False})))
     assert client.get("/ui").status_code == 404 and client.get("/ui/state").status_code == 404
+
+
+def test_ui_open_on_loopback_lets_loopback_in_without_the_key() -> None:
+    app = build_app(config(admin={"api_key": "k" * 20, "ui_open_on_loopback": True}))
+    assert TestClient(app, client=("127.0.0.1", 5000)).get("/ui/state").status_code == 200
+    assert TestClient(app, client=("10.1.2.3", 5000)).get("/ui/state").status_code == 401
+    closed = build_app(config(admin={"api_key": "k" * 20}))
+    assert TestClient(closed, client=("127.0.0.1", 5000)).get("/ui/state").status_code == 401
+    no_key = build_app(config())  # no admin key: loopback only, like /admin
+    assert TestClient(no_key, client=("127.0.0.1", 5000)).get("/ui/state").status_code == 200
+    assert TestClient(no_key, client=("10.1.2.3", 5000)).get("/ui/state").status_code == 403
+
+
+def test_the_sessions_panel_is_fed_only_where_the_gateway_has_the_route() -> None:
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    app = build_app(config())
+    client = TestClient(app, client=("127.0.0.1", 5000))
+    assert client.get("/ui/state").json()["sessions_api"] is False
+
+    async def sessions(request: object) -> JSONResponse:
+        return JSONResponse({"sessions": []})
+
+    app.router.routes.append(Route("/admin/sessions", sessions))
+    assert client.get("/ui/state").json()["sessions_api"] is True
+
+
+def test_ui_state_shows_a_precise_pools_exact_index() -> None:
+    cfg = GatewayConfig.model_validate({
+        "model": "m", "routing": {"policy": "prefix_affinity"},
+        "pools": [{"name": "p", "max_model_len": 4096, "endpoints": ["http://127.0.0.1:9001"],
+                   "precise": {"tokenizer": "replica"}}],
+    })
+    state = TestClient(build_app(cfg), client=("127.0.0.1", 5000)).get("/ui/state").json()
+    assert state["pools"][0]["precise"] is True
+
+
+def test_m3gate_contract_writes_files_and_rules_and_fails_on_an_unreachable_prometheus(tmp_path: object) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from gateway.cli import main
+
+    tmp = Path(str(tmp_path))
+    pools = tmp / "pools.yaml"
+    pools.write_text(yaml.safe_dump({
+        "model": "m", "pools": [{"name": "short", "max_model_len": 32768, "endpoints": ["http://127.0.0.1:9001"]}],
+        "traffic": {"classes": {"interactive": {"targets": {"ttft_ms": {"p95": 500}, "tpot_ms": {"p99": 80}}}}},
+    }))
+    assert main(["contract", str(pools), "--out", str(tmp / "out"), "--rules", str(tmp / "slo.yml")]) == 0
+    assert {p.name for p in (tmp / "out").iterdir()} == {"contract.md", "contract.html", "contract.json"}
+    rules = yaml.safe_load((tmp / "slo.yml").read_text())
+    assert {g["name"] for g in rules["groups"]} == {"m3gate-slo-recording", "m3gate-slo-alerts"}
+    assert main(["contract", str(pools), "--prometheus", "http://127.0.0.1:1", "--window", "5m"]) == 2
