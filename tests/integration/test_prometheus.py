@@ -192,9 +192,14 @@ def test_the_deploy_slo_rules_are_current_and_promtool_unit_tests_pass(tmp_path:
     from gateway.contract import rules_yaml
     from policies.config import load_config
 
+    from policies.contract import to_markdown
+
     deploy = ROOT / "deploy" / "prometheus" / "slo" / "m3gate-slo.yml"
-    assert deploy.read_text() == rules_yaml(load_config(ROOT / "deploy" / "compose" / "pools.yaml")), \
-        "regenerate: m3gate contract deploy/compose/pools.yaml --rules deploy/prometheus/slo/m3gate-slo.yml"
+    compose = load_config(ROOT / "deploy" / "compose" / "pools.yaml")
+    regenerate = "regenerate: make contract"
+    assert deploy.read_text() == rules_yaml(compose), regenerate
+    assert (ROOT / "deploy" / "contract" / "contract.md").read_text() == to_markdown(build_contract(compose)) + "\n", \
+        regenerate
     result = promtool("check", "rules", str(deploy))
     assert result.returncode == 0, result.stdout + result.stderr
     ttft = "m3gate_time_to_first_token_seconds"
