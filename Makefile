@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus dashboards-png chaos fuzz soak
+.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium dashboards-png chaos fuzz soak contract
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,15 +21,23 @@ demo: venv
 redis:
 	@scripts/ensure-redis.sh
 
-test: venv redis vllm-env prometheus
+test: venv redis vllm-env prometheus chromium
 	$(BIN)/python -m pytest -q -ra
 
-test-fast: venv redis prometheus
+test-fast: venv redis prometheus chromium
 	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
 
 # Prometheus + promtool (Debian package): the observability tests run a real one.
 prometheus:
 	@scripts/install-prometheus.sh
+
+# Debian's chromium + chromedriver: the browser tests (tests/ui) drive /ui and the contract report headless.
+chromium:
+	@scripts/install-chromium.sh
+
+# The operating contract of the compose deployment and its SLO rules (regenerated from deploy/compose/pools.yaml).
+contract: venv
+	$(BIN)/m3gate contract deploy/compose/pools.yaml --out deploy/contract --rules deploy/prometheus/slo/m3gate-slo.yml
 
 # PNGs of the Grafana dashboard's panels from a short simulated run, into loadtests/results/dashboards/.
 dashboards-png: venv prometheus

@@ -36,6 +36,9 @@ def _authorized(request: Request) -> Response | None:
                           code="invalid_admin_key")
 
 
+check_admin = _authorized  # the status page's data (gateway/ui.py) is guarded the same way
+
+
 def replica_view(gw: Gateway) -> dict[str, Any]:
     now = gw.clock()
     pools: dict[str, Any] = {}

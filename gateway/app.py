@@ -24,6 +24,7 @@ from gateway.errors import error_response
 from gateway.reload import ConfigReloader
 from gateway.routes import generate_endpoints, routes
 from gateway.runtime import Gateway
+from gateway.ui import ui_routes
 from policies.config import GatewayConfig
 
 log = logging.getLogger("m3gate")
@@ -48,8 +49,8 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
             await reloader.stop()
             await gateway.stop()
 
-    app = GatewayApp(generate_endpoints(coordinator), routes=[*routes(), *admin_routes()], lifespan=lifespan,
-                     exception_handlers=_exception_handlers())
+    app = GatewayApp(generate_endpoints(coordinator), routes=[*routes(), *admin_routes(), *ui_routes()],
+                     lifespan=lifespan, exception_handlers=_exception_handlers())
     app.state.gateway = gateway
     app.state.coordinator = coordinator
     app.state.reloader = reloader

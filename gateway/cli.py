@@ -40,6 +40,38 @@ def _cmd_pools_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_contract(args: argparse.Namespace) -> int:
+    from gateway.contract import rules_yaml, write_contract
+    from policies.config import ConfigError, load_config
+    from policies.contract import build_contract, check, passed, to_markdown
+
+    try:
+        config = load_config(args.path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    contract = build_contract(config)
+    if args.prometheus:
+        from pools.prometheus import PrometheusError, observe_classes
+
+        try:
+            observed = observe_classes(args.prometheus, args.window, [c.name for c in contract.classes])
+        except PrometheusError as exc:
+            print(f"m3gate contract: {exc}", file=sys.stderr)
+            return 2
+        check(contract, observed, f"Prometheus {args.prometheus}, last {args.window}")
+    if args.rules:
+        with open(args.rules, "w") as f:
+            f.write(rules_yaml(config))
+        print(f"SLO rules: {args.rules}", file=sys.stderr)
+    if args.out:
+        paths = write_contract(contract, args.out)
+        print("contract: " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    if not args.out or args.prometheus:
+        print(to_markdown(contract))
+    return 1 if contract.verdicts and not passed(contract) else 0
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from pools.sim.cli import run
 
@@ -96,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default=None, help="only this pool")
     p.add_argument("--format", choices=["shell", "json"], default="shell")
     p.set_defaults(func=_cmd_pools_render)
+
+    p = sub.add_parser("contract", help="write the operating contract from the config; check it against Prometheus",
+                       description="Per traffic class: context ceiling, warm capacity, precision and kernel path, "
+                       "latency targets (traffic.classes.*.targets). With --prometheus: PASS/FAIL per class and "
+                       "percentile, the dominant stage of each failure (exit 1 on a failure). With --rules: the "
+                       "SLO alert rules (multi-window, multi-burn-rate) for Prometheus.")
+    p.add_argument("path", help="pool config YAML")
+    p.add_argument("--out", help="folder for contract.md, contract.html (with plots) and contract.json; "
+                   "without it the Markdown goes to stdout")
+    p.add_argument("--prometheus", metavar="URL", help="check against this Prometheus (it scrapes the gateways)")
+    p.add_argument("--window", default="1h", help="PromQL range for the check (default 1h)")
+    p.add_argument("--rules", metavar="FILE", help="write the SLO recording and alerting rules (YAML) here")
+    p.set_defaults(func=_cmd_contract)
 
     try:
         _add_sim(sub)

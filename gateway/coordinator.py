@@ -448,6 +448,7 @@ class Coordinator:
         if record.session is not None and gw.sessions is not None:
             ids = record.trace
             gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)
+        gw.recent.add(record)  # the status page's waterfall (a comparison while no page is open)
         gw.telemetry.finish(record)
 
     def _learn_from_answer(self, record: RequestRecord, usage: dict[str, Any]) -> None:

@@ -66,6 +66,9 @@ m3gate demo is up: {base_url}   (three simulated pools: 32K interactive, 128K re
     curl -s {base_url}/chat/completions -H 'content-type: application/json' \\
       -d '{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":8}}' -i
 
+Status page (live: pools, replicas, classes, latency, the latest requests' stages):
+    {base_url[:-3]}/ui
+
 Every response carries x-m3gate-pool and x-m3gate-endpoint. Ctrl-C stops everything.
 """
 

@@ -61,6 +61,8 @@ class ConfigReloader:
                 return self.status
             if config == self.gateway.config:
                 self.status.message = f"{trigger}: unchanged"
+                if not self.status.ok:  # the file is back to the config in force: nothing is rejected any more
+                    self.status.ok, self.status.problems, self.status.at = True, [], time.time()
                 return self.status
             notes = self.gateway.apply_config(config)
             await self.gateway.discovery.sync()

@@ -15,6 +15,7 @@ import aiohttp
 from gateway.admission import TrafficControl
 from gateway.discovery import DiscoveryManager
 from gateway.precise import PreciseRouting
+from gateway.recent import RecentRequests
 from gateway.relay import DisconnectWatches
 from gateway.sessions import SessionTracker
 from gateway.telemetry import Telemetry
@@ -50,6 +51,7 @@ class Gateway:
         self.watches = DisconnectWatches()
         self._apply_config(config)
         self.telemetry = Telemetry(self)
+        self.recent = RecentRequests()  # the status page's latest requests, kept only while it is open
         self._register_precise_metrics()
         self.discovery = DiscoveryManager(lambda: self.pools, self.sync_prefix_index, resolver)
         shares = bool(config.state) and config.state != "memory"

@@ -5,6 +5,8 @@
     python -m loadtests run smoke                         start simulated replicas + a gateway, run, report
     python -m loadtests run mixed --gateway http://127.0.0.1:8080
     python -m loadtests run agent --replicas http://127.0.0.1:8001 http://127.0.0.1:8002   (client round robin)
+    python -m loadtests run smoke --contract              the operating contract checked against the run
+    python -m loadtests run mixed --gateway URL --contract pools.yaml
     python -m loadtests replay trace.jsonl --time-scale 0.5 --gateway URL
     python -m loadtests trace agent -o agent.jsonl        write the plan as a replayable trace
     python -m loadtests policies [--quick]                = python -m loadtests.bench_policies
@@ -67,10 +69,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _run(plan: Any, args: argparse.Namespace) -> int:
-    from loadtests.harness import execute, gateway_replicas, run_dir
+    from loadtests.harness import execute as run_plan_once, gateway_replicas, run_dir
     from loadtests.replicas import gateway, gateway_config, sim_pool
 
     out = None if args.no_write else (Path(args.out) if args.out else run_dir(args.name or plan.name))
+    verdict = {"rc": 0}
+
+    def execute(plan: Any, target: Target, *, config: Any = None, **kw: Any) -> None:
+        """One run; with --contract, the operating contract checked against it (exit 1 on a failed target)."""
+        if args.contract is None:
+            run_plan_once(plan, target, **kw)
+            return
+        from loadtests.contract_check import check_run, scrape_stages
+        from policies.config import load_config
+        from policies.contract import passed, to_markdown
+
+        if args.contract:
+            config = load_config(args.contract)
+        if config is None:
+            raise WorkloadError("--contract needs the gateway's pool file here (--contract pools.yaml)")
+        before = scrape_stages(target.gateway)
+        _, run = run_plan_once(plan, target, **kw)
+        contract = check_run(config, run.results, before, scrape_stages(target.gateway),
+                             f"load test `{plan.name}` ({len(run.results)} requests)", out)
+        print(to_markdown(contract))
+        verdict["rc"] = 0 if passed(contract) else 1
+
     kwargs: dict[str, Any] = dict(duration_s=args.duration, max_requests=args.max_requests,
                                   max_concurrency=args.max_concurrency, out_dir=out, plots=not args.no_plots,
                                   progress=args.progress)
@@ -84,7 +108,7 @@ def _run(plan: Any, args: argparse.Namespace) -> int:
             replicas = args.replicas
             target = Target(replicas=replicas)
         execute(plan, target, replicas=replicas, **kwargs)
-        return 0
+        return verdict["rc"]
     # self-contained: simulated replicas (+ a gateway unless --direct)
     sim_args = shlex.split(args.sim_args)
     images = any(i.images for i in plan.items)
@@ -96,9 +120,11 @@ def _run(plan: Any, args: argparse.Namespace) -> int:
             return 0
         cfg = gateway_config(pool.urls, policy=args.policy, max_model_len=args.max_model_len,
                              modalities=("text", "image") if images else ("text",))
+        if args.contract_targets:
+            cfg["traffic"] = {"classes": {"interactive": {"targets": yaml.safe_load(args.contract_targets)}}}
         with gateway(cfg) as gw:
-            execute(plan, Target(gateway=gw.url), replicas=pool.urls, **kwargs)
-    return 0
+            execute(plan, Target(gateway=gw.url), replicas=pool.urls, config=cfg, **kwargs)
+    return verdict["rc"]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -139,6 +165,11 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--out", help="results folder (default loadtests/results/<time>-<name>)")
     r.add_argument("--no-write", action="store_true", help="print the report only")
     r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--contract", nargs="?", const="", default=None, metavar="POOLS_YAML",
+                   help="check the operating contract (traffic.classes.*.targets) against this run; the pool file "
+                   "is needed with --gateway, else the started gateway's config is used. Exit 1 on a failure")
+    r.add_argument("--contract-targets", metavar="YAML", help="targets for the started gateway's one class "
+                   "(interactive), e.g. '{ttft_ms: {p50: 100, p95: 500}, tpot_ms: {p95: 40}}'")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
 

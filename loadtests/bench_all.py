@@ -5,7 +5,7 @@
 1. harness self-check: the `smoke` workload through a gateway in front of 2 simulated replicas (report + plots);
 2. gateway overhead (loadtests.bench_overhead);
 3. routing policies on the agent trace (loadtests.bench_policies);
-4. the other engineers' hot-path benchmarks when their modules exist (bench_classify, bench_routing), with `--quick`
+4. the other engineers' hot-path benchmarks when their modules exist (bench_classify, bench_routing, bench_ui), with `--quick`
    when they offer it, else small arguments, each with a time limit.
 
 Each part runs as its own process with a timeout, so one failure or hang does not stop the rest. `--quick` (what
@@ -31,6 +31,7 @@ from loadtests.harness import run_dir
 OTHERS: list[tuple[str, list[str], int]] = [
     ("loadtests.bench_classify", ["--sizes", "1000,32000,128000", "--requests", "2", "--repeats", "5"], 90),
     ("loadtests.bench_routing", ["--iterations", "3000", "--rounds", "1"], 90),
+    ("loadtests.bench_ui", ["--refreshes", "200", "--requests", "30"], 120),
 ]
 OWN = ("harness", "overhead", "policies")
 

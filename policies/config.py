@@ -243,6 +243,15 @@ class AdminConfig(_Strict):
         default=None, description="Bearer key for /admin; without one the admin API answers only loopback clients."
     )
     watch_config: bool = Field(default=True, description="Reload the config file when it changes on disk.")
+    ui: bool = Field(
+        default=True, description="Serve the live status page at GET /ui (its data at GET /ui/state, guarded like "
+        "/admin); false: both answer 404.",
+    )
+    ui_open_on_loopback: bool = Field(
+        default=False, description="With api_key set, still let loopback clients read /ui/state without the key "
+        "(a page on an operator's own machine or behind an SSH tunnel). Without api_key, /ui is loopback-only "
+        "like /admin.",
+    )
 
 
 TraceExporterName = Literal["otlp", "console", "discard"]
@@ -290,6 +299,44 @@ class TelemetryConfig(_Strict):
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
+class PercentileTargets(_Strict):
+    """Latency a class must hold at each percentile, in milliseconds; unset percentiles are not part of the
+    contract. Each one reads "this share of the class's requests is at or under this many ms"."""
+
+    p50: float | None = Field(default=None, gt=0, description="50% of requests at or under this (ms).")
+    p95: float | None = Field(default=None, gt=0, description="95% of requests at or under this (ms).")
+    p99: float | None = Field(default=None, gt=0, description="99% of requests at or under this (ms).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PercentileTargets:
+        set_ = [(name, value) for name, value in (("p50", self.p50), ("p95", self.p95), ("p99", self.p99))
+                if value is not None]
+        for (lo_name, lo), (hi_name, hi) in zip(set_, set_[1:]):
+            if lo > hi:
+                raise ValueError(f"{lo_name} ({lo} ms) is above {hi_name} ({hi} ms): percentiles only grow")
+        return self
+
+    def items(self) -> list[tuple[str, float]]:
+        """(percentile name, ms) of the targets that are set, p50 first."""
+        return [(name, value) for name, value in (("p50", self.p50), ("p95", self.p95), ("p99", self.p99))
+                if value is not None]
+
+
+class LatencyTargets(_Strict):
+    """A class's latency objectives (`m3gate contract` writes and checks them; SLO alert rules come from them)."""
+
+    ttft_ms: PercentileTargets = Field(
+        default_factory=PercentileTargets, description="Time to first token (streams), arrival at the gateway to "
+        "the first token's event. None set: p95 is the class's ttft_target_s.",
+    )
+    tpot_ms: PercentileTargets = Field(
+        default_factory=PercentileTargets, description="Time per output token after the first (streams).",
+    )
+    e2e_ms: PercentileTargets = Field(
+        default_factory=PercentileTargets, description="Arrival to last byte, every routed request.",
+    )
+
+
 class TrafficClassConfig(_Strict):
     """A traffic class: how its requests are ordered and bounded in every pool they use."""
 
@@ -321,6 +368,22 @@ class TrafficClassConfig(_Strict):
         default=False, description="With SLO-aware routing: when no replica of any pool it may use is predicted to "
         "meet its TTFT objective, answer 429 with Retry-After at once rather than serve it late.",
     )
+    targets: LatencyTargets = Field(
+        default_factory=LatencyTargets, description="Latency objectives per percentile (TTFT, TPOT, end to end): "
+        "the operating contract `m3gate contract` writes and checks, and the SLO alert rules it generates.",
+    )
+
+    def latency_targets(self) -> dict[str, list[tuple[str, float]]]:
+        """metric (ttft / tpot / e2e) → [(percentile, ms)]; with no TTFT percentile set, ttft_target_s is the
+        TTFT p95 (the older single target)."""
+        out = {}
+        for metric in ("ttft", "tpot", "e2e"):
+            targets: PercentileTargets = getattr(self.targets, f"{metric}_ms")
+            items = dict(targets.items())
+            if metric == "ttft" and not items:
+                items["p95"] = self.ttft_target_s * 1000.0
+            out[metric] = sorted(items.items(), key=lambda kv: int(kv[0][1:]))
+        return out
 
 
 def _default_classes() -> dict[str, TrafficClassConfig]:

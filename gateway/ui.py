@@ -1,0 +1,269 @@
+"""The live status page: GET /ui (static HTML/JS/CSS from gateway/static/, no build step, nothing fetched from
+elsewhere) and GET /ui/state, the JSON it polls.
+
+/ui/state is guarded like /admin (the admin key as a bearer token; the page keeps it in sessionStorage, never in a
+URL); with `admin.ui_open_on_loopback` loopback clients need no key. It reads what the gateway already keeps: the
+pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config reload
+status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last minutes, from bucket
+deltas between this module's snapshots) and the latest requests' stages (gateway/recent.py).
+
+Nothing here runs unless the page polls: the snapshots are taken by the poll itself (at most one per
+SNAPSHOT_EVERY_S, the last WINDOW_S kept), and the recent-requests ring records only while polls keep coming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from importlib import resources
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.admin import LOOPBACK, check_admin, replica_view
+from gateway.runtime import Gateway
+from policies.contract import histogram_quantile
+from policies.traffic import pool_class
+
+WINDOW_S = 300.0  # latency percentiles and rates over the last five minutes (or since the page opened)
+SNAPSHOT_EVERY_S = 5.0
+STATIC = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
+_SECURITY_HEADERS = {
+    "cache-control": "no-store",
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+
+
+class _Snapshot:
+    __slots__ = ("t", "classes")
+
+    def __init__(self, t: float, classes: dict[str, dict[str, list[float]]]) -> None:
+        self.t = t
+        self.classes = classes  # class → kind (ttft, tpot, e2e, r429, requests) → counts
+
+
+class UiState:
+    """The page's memory between polls: histogram snapshots (a bounded deque), nothing else."""
+
+    def __init__(self) -> None:
+        self.snapshots: deque[_Snapshot] = deque(maxlen=int(WINDOW_S / SNAPSHOT_EVERY_S) + 2)
+        self._static: dict[str, bytes] = {}
+
+    def static(self, name: str) -> bytes:
+        data = self._static.get(name)
+        if data is None:
+            data = self._static[name] = resources.files("gateway").joinpath("static", name).read_bytes()
+        return data
+
+
+def _class_counts(gw: Gateway) -> dict[str, dict[str, list[float]]] | None:
+    """Per class, the gateway's histograms summed over pools, APIs and thinking modes (bucket counts + sum), and
+    the request counters the page turns into rates."""
+    metrics = gw.telemetry.metrics
+    if metrics is None:
+        return None
+    req = metrics.requests
+    out: dict[str, dict[str, list[float]]] = {}
+
+    def add(kind: str, cls: str, series: list[float]) -> None:
+        into = out.setdefault(cls, {}).get(kind)
+        if into is None:
+            out[cls][kind] = list(series)
+        else:
+            for i, v in enumerate(series):
+                into[i] += v
+
+    for key, series in list(req.ttft.series.items()):  # (api, pool, class, thinking_mode)
+        add("ttft", key[2], series)
+    for key, series in list(req.e2e.series.items()):
+        add("e2e", key[2], series)
+    for key, series in list(req.tpot.series.items()):  # (pool, class, thinking_mode)
+        add("tpot", key[1], series)
+    for key, value in list(req.requests.values.items()):  # (api, pool, class, thinking_mode, status)
+        add("requests", key[2], [value])
+        if key[4] == "429":
+            add("r429", key[2], [value])
+    return out
+
+
+def _latency(gw: Gateway, ui: UiState, now: float) -> dict[str, Any]:
+    counts = _class_counts(gw)
+    if counts is None:
+        return {"enabled": False}
+    snaps = ui.snapshots
+    if not snaps or now - snaps[-1].t >= SNAPSHOT_EVERY_S:
+        snaps.append(_Snapshot(now, counts))
+    while len(snaps) > 1 and now - snaps[1].t >= WINDOW_S:
+        snaps.popleft()  # keep the newest snapshot at least WINDOW_S old as the baseline
+    base = snaps[0] if snaps and snaps[0].t < now else None
+    window_s = (now - base.t) if base is not None else None
+    req = gw.telemetry.metrics.requests  # type: ignore[union-attr]
+    bounds = {"ttft": req.ttft.bounds, "tpot": req.tpot.bounds, "e2e": req.e2e.bounds}
+    classes: dict[str, Any] = {}
+    for cls, kinds in counts.items():
+        before = base.classes.get(cls, {}) if base is not None else {}
+        row: dict[str, Any] = {}
+        for kind in ("ttft", "tpot", "e2e"):
+            now_counts = kinds.get(kind)
+            if now_counts is None:
+                continue
+            old = before.get(kind)
+            delta = [a - b for a, b in zip(now_counts, old)] if old is not None else now_counts
+            n = int(round(sum(delta[:-1])))
+            row[kind] = {"n": n, **{f"p{p}_ms": _ms(histogram_quantile(p / 100, bounds[kind], delta))
+                                     for p in (50, 95, 99)}}
+        for kind in ("requests", "r429"):
+            total = kinds.get(kind, [0.0])[0]
+            old_total = before.get(kind, [0.0])[0] if base is not None else 0.0
+            row[f"{kind}_total"] = int(total)
+            row[f"{kind}_per_s"] = round((total - old_total) / window_s, 3) if window_s else None
+        routed = sum(kinds["e2e"][:-1]) if "e2e" in kinds else 0.0  # sent to a replica: admitted
+        routed_before = sum(before["e2e"][:-1]) if "e2e" in before else 0.0
+        row["admitted_per_s"] = round((routed - routed_before) / window_s, 3) if window_s else None
+        classes[cls] = row
+    return {"enabled": True, "window_s": None if window_s is None else round(window_s, 1), "classes": classes}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
+    view = replica_view(gw)
+    config = gw.config
+    by_size = config.pools_by_size()
+    out = []
+    for name, pool_view in view.items():
+        runtime = gw.pools[name]
+        precise = gw.precise.pools.get(name) if hasattr(gw.precise, "pools") else None
+        freshness: dict[str, Any] = {}
+        if precise is not None:
+            try:
+                for stats in precise.hub.stats().values():
+                    freshness[stats["replica"]] = {"connected": stats.get("connected"),
+                                                   "stale_reason": stats.get("stale_reason"),
+                                                   "blocks": stats.get("blocks"), "last_seq": stats.get("last_seq")}
+            except Exception:  # noqa: BLE001 - the page shows what it can
+                pass
+        replicas = []
+        for url, r in pool_view["replicas"].items():
+            replica = runtime.replicas[url]
+            scraped = replica.scraped
+            hit_rate = (scraped.prefix_hits / scraped.prefix_queries
+                        if scraped is not None and scraped.prefix_queries else None)
+            if r["draining"]:
+                state = "draining"
+            elif not r["healthy"]:
+                state = "unhealthy"
+            elif r["ejected_for_s"] > 0:
+                state = "ejected"
+            else:
+                state = "available" if r["available"] else "unavailable"
+            replicas.append({"url": url, "state": state, **r,
+                             "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
+                             "exact_index": freshness.get(url)})
+        launch = runtime.config.launch
+        out.append({
+            "name": name, "max_model_len": pool_view["max_model_len"], "modalities": pool_view["modalities"],
+            "class": pool_class(config.traffic, by_size, name), "policy": pool_view["policy"],
+            "precise": precise is not None,
+            "launch_replicas": launch.replicas if launch is not None else None,
+            "available": sum(1 for r in replicas if r["state"] == "available"), "replicas": replicas,
+        })
+    return out
+
+
+def _classes(gw: Gateway) -> list[dict[str, Any]]:
+    view = gw.traffic.view()
+    queued: dict[str, int] = {}
+    in_flight: dict[str, int] = {}
+    for pool in view["pools"].values():
+        for cls, c in pool["classes"].items():
+            queued[cls] = queued.get(cls, 0) + c["queued"]
+            in_flight[cls] = in_flight.get(cls, 0) + c["in_flight"]
+    out = []
+    for name, cls in sorted(gw.config.traffic.classes.items(), key=lambda kv: (kv[1].priority, kv[0])):
+        targets = {metric: dict(items) for metric, items in cls.latency_targets().items()}
+        out.append({"name": name, "priority": cls.priority, "queued": queued.get(name, 0),
+                    "in_flight": in_flight.get(name, 0), "queue_length": cls.queue_length,
+                    "max_concurrency": cls.max_concurrency, "targets_ms": targets})
+    return out
+
+
+def state(gw: Gateway, ui: UiState, reloader: Any) -> dict[str, Any]:
+    now = gw.clock()
+    wall = time.time()
+    gw.recent.watched(now)
+    return {
+        "at": wall,
+        "model": gw.config.model,
+        "health_interval_s": gw.config.server.health_interval_s,
+        "pools": _pools(gw, now),
+        "classes": _classes(gw),
+        "latency": _latency(gw, ui, now),
+        "recent": gw.recent.view(now, wall),
+        "reload": reloader.status.as_json() if reloader is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HTTP
+
+
+def _ui_state_of(request: Request) -> UiState:
+    ui = getattr(request.app.state, "ui", None)
+    if ui is None:
+        ui = request.app.state.ui = UiState()
+    return ui
+
+
+def _disabled(request: Request) -> Response | None:
+    if not request.app.state.gateway.config.admin.ui:
+        return Response("the status page is off (admin.ui: false)\n", 404, media_type="text/plain")
+    return None
+
+
+async def page(request: Request) -> Response:
+    """The page itself holds no data: it is served to anyone who may reach /ui; its data needs the admin key."""
+    if (off := _disabled(request)) is not None:
+        return off
+    return Response(_ui_state_of(request).static("index.html"), media_type="text/html; charset=utf-8",
+                    headers=_SECURITY_HEADERS)
+
+
+async def asset(request: Request) -> Response:
+    if (off := _disabled(request)) is not None:
+        return off
+    name = request.path_params["name"]
+    if name not in STATIC:
+        return Response("not found\n", 404, media_type="text/plain")
+    return Response(_ui_state_of(request).static(name), media_type=STATIC[name], headers=_SECURITY_HEADERS)
+
+
+async def ui_state(request: Request) -> Response:
+    if (off := _disabled(request)) is not None:
+        return off
+    gw: Gateway = request.app.state.gateway
+    admin = gw.config.admin
+    open_here = admin.ui_open_on_loopback and request.client is not None and request.client.host in LOOPBACK
+    if not open_here and (denied := check_admin(request)) is not None:
+        return denied
+    body = state(gw, _ui_state_of(request), getattr(request.app.state, "reloader", None))
+    # The agent-sessions panel reads GET /admin/sessions where this build has it (asked here, so that the page
+    # never requests a path that answers 404: a browser logs that as an error).
+    body["sessions_api"] = any(getattr(route, "path", None) == "/admin/sessions" for route in request.app.routes)
+    return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
+def ui_routes() -> list[Route]:
+    return [
+        Route("/ui", page, methods=["GET"]),
+        Route("/ui/", page, methods=["GET"]),
+        Route("/ui/state", ui_state, methods=["GET"]),
+        Route("/ui/static/{name}", asset, methods=["GET"]),
+    ]
