@@ -254,9 +254,9 @@ async def ui_state(request: Request) -> Response:
     if not open_here and (denied := check_admin(request)) is not None:
         return denied
     body = state(gw, _ui_state_of(request), getattr(request.app.state, "reloader", None))
-    # The agent-sessions panel reads GET /admin/sessions where this build has it (asked here, so that the page
+    # The agent-sessions panel reads GET /admin/sessions while sessions are tracked (asked here, so that the page
     # never requests a path that answers 404: a browser logs that as an error).
-    body["sessions_api"] = any(getattr(route, "path", None) == "/admin/sessions" for route in request.app.routes)
+    body["sessions_api"] = gw.sessions is not None
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
 

@@ -160,11 +160,21 @@ function renderRecent(recent) {
 function renderSessions(data) {
   const box = document.getElementById("sessions");
   if (!data) { box.replaceChildren(); return; }
-  const sessions = Array.isArray(data) ? data : (data.sessions || []);
+  // GET /admin/sessions: {open: [...], recent: [...]} (ids hashed, no prompt text), newest first
+  const sessions = [...(data.open || []), ...(data.recent || [])];
   if (!sessions.length) { box.replaceChildren(h("p", { class: "mute" }, "No recent agent sessions.")); return; }
-  const keys = Object.keys(sessions[0]).slice(0, 8);
-  box.replaceChildren(table(keys.map((k) => [k]), sessions.slice(0, 30).map((s) =>
-    h("tr", {}, keys.map((k) => h("td", {}, typeof s[k] === "object" ? JSON.stringify(s[k]) : fmt.num(s[k])))))));
+  const secs = (v) => (v == null ? "–" : `${Number(v).toFixed(v < 10 ? 2 : 0)} s`);
+  const share = (v) => (v == null ? "–" : `${Math.round(v * 100)}%`);
+  const rows = sessions.slice(0, 30).map((s) => h("tr", {}, [
+    h("td", {}, s.id), h("td", {}, s.state), h("td", {}, s.id_source), h("td", { class: "num" }, String(s.turns)),
+    h("td", { class: "num" }, secs(s.task_s)), h("td", { class: "num" }, secs(s.model_s)),
+    h("td", { class: "num" }, `${secs(s.tool_s)} (${s.tool_waits})`), h("td", { class: "num" }, `${secs(s.think_s)} (${s.think_waits})`),
+    h("td", { class: "num" }, share(s.cached_share)), h("td", { class: "num" }, `${s.warm_turns} / ${s.cold_turns}`),
+  ]));
+  const head = [`${data.open_sessions ?? (data.open || []).length} open`];
+  box.replaceChildren(h("p", { class: "mute" }, head.join(" · ")),
+    table([["session"], ["state"], ["found by"], ["turns", "num"], ["task", "num"], ["model", "num"],
+      ["tools (waits)", "num"], ["think (waits)", "num"], ["cached", "num"], ["warm / cold", "num"]], rows));
 }
 
 // ---------------------------------------------------------------------------------------------------------------

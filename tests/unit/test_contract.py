@@ -109,7 +109,7 @@ def test_ui_state_needs_the_admin_key_and_shows_pools_classes_and_reload() -> No
     assert [p["name"] for p in state["pools"]] == ["short", "long"]
     assert len(state["pools"][0]["replicas"]) == 2 and state["pools"][1]["launch_replicas"] == 3
     assert {c["name"] for c in state["classes"]} == {"interactive", "extended"}
-    assert state["reload"]["ok"] is True and state["sessions_api"] is False
+    assert state["reload"]["ok"] is True and state["sessions_api"] is True  # GET /admin/sessions exists
     assert state["latency"]["enabled"] is True and state["recent"] == []
 
 
@@ -129,19 +129,14 @@ def test_ui_open_on_loopback_lets_loopback_in_without_the_key() -> None:
     assert TestClient(no_key, client=("10.1.2.3", 5000)).get("/ui/state").status_code == 403
 
 
-def test_the_sessions_panel_is_fed_only_where_the_gateway_has_the_route() -> None:
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    app = build_app(config())
-    client = TestClient(app, client=("127.0.0.1", 5000))
-    assert client.get("/ui/state").json()["sessions_api"] is False
-
-    async def sessions(request: object) -> JSONResponse:
-        return JSONResponse({"sessions": []})
-
-    app.router.routes.append(Route("/admin/sessions", sessions))
-    assert client.get("/ui/state").json()["sessions_api"] is True
+def test_the_sessions_panel_is_fed_only_while_sessions_are_tracked() -> None:
+    on = TestClient(build_app(config()), client=("127.0.0.1", 5000))
+    assert on.get("/ui/state").json()["sessions_api"] is True
+    assert set(on.get("/admin/sessions").json()) >= {"open", "recent", "open_sessions"}
+    cfg = config().model_copy(update={"sessions": config().sessions.model_copy(update={"enabled": False})})
+    off = TestClient(build_app(cfg), client=("127.0.0.1", 5000))
+    assert off.get("/ui/state").json()["sessions_api"] is False
+    assert off.get("/admin/sessions").status_code == 404
 
 
 def test_ui_state_shows_a_precise_pools_exact_index() -> None:
