@@ -82,8 +82,8 @@ def extract(body: bytes) -> tuple[ExportTraceServiceRequest, list[EngineTiming],
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 count += 1
-                if span.name != ENGINE_SPAN or len(span.parent_span_id) != 8 or len(span.trace_id) != 16:
-                    continue
+                if span.name != ENGINE_SPAN:
+                    continue  # a parentless llm_request (no traceparent) stays in: parent 0, it joins nothing
                 values: dict[str, float] = {}
                 for attribute in span.attributes:
                     if attribute.key in (QUEUE, PREFILL, DECODE):
@@ -354,7 +354,8 @@ class EngineSpans:
     def collect(self) -> Iterator[Metric]:
         spans = CounterMetricFamily("m3gate_engine_spans", "Spans received from the replicas: joined (an "
                                     "llm_request under a sampled attempt, counted in m3gate_engine_*_seconds), "
-                                    "unmatched (an llm_request of an attempt unknown here), other (other spans).",
+                                    "unmatched (an llm_request of an attempt unknown here, or of none), other "
+                                    "(other spans).",
                                     labels=["result"])
         for result, value in self.spans.items():
             spans.add_metric([result], float(value))

@@ -60,6 +60,7 @@ class SimSettings:
     api_key: str | None = None
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: publish KV events (pools/sim/kv_events.py)
     prefix_caching_hash_algo: str | None = None  # sha256_cbor / sha256: vLLM's own block hashes over the token ids
+    otlp_traces_endpoint: str | None = None  # vLLM's --otlp-traces-endpoint: llm_request spans (pools/sim/tracing.py)
     # fault injection at start (changeable later through POST /sim/faults)
     faults: FaultSettings = field(default_factory=FaultSettings)
 

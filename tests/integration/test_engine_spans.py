@@ -112,13 +112,18 @@ def config(endpoints: list[str], tracing: dict[str, Any], **extra: Any) -> Gatew
     })
 
 
-@asynccontextmanager
-async def serving(cfg: GatewayConfig) -> AsyncIterator[tuple[str, Any]]:
-    """The gateway in this process on a free loopback port (uvicorn), with its lifespan."""
-    app = build_app(cfg)
+def listening_socket() -> socket.socket:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
+    return sock
+
+
+@asynccontextmanager
+async def serving(cfg: GatewayConfig, sock: socket.socket | None = None) -> AsyncIterator[tuple[str, Any]]:
+    """The gateway in this process on a free loopback port (uvicorn), with its lifespan."""
+    app = build_app(cfg)
+    sock = sock or listening_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -356,3 +361,79 @@ def test_a_full_forwarding_queue_drops_and_counts() -> None:
     assert sent.count(False) >= 2 and forwarder.dropped == sent.count(False)
     forwarder.close()
     assert forwarder.sent == sent.count(True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the simulator traces as vLLM does
+
+
+TRACING_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100",
+               "OTEL_SERVICE_NAME": "vllm-sim-test"}
+
+
+def test_the_simulator_exports_llm_request_spans_like_vllm() -> None:
+    sink = OtlpSink(keep=True)
+    sim = start_sim(8192, extra_args=["--speed", "50", "--otlp-traces-endpoint", sink.url + "/v1/traces"],
+                    env=TRACING_ENV)
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+        trace = "0af7651916cd43dd8448eb211c80319c"
+        for flags in ("01", "00", None):
+            headers = {"traceparent": f"00-{trace}-b7ad6b71692033{flags}-{flags}"} if flags else {}
+            assert httpx.post(sim.url + "/v1/chat/completions", json=chat, headers=headers, timeout=30
+                              ).status_code == 200
+        deadline = time.monotonic() + 10
+        while len(received_spans(sink.bodies)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        spans = received_spans(sink.bodies)
+    finally:
+        sim.stop()
+        sink.close()
+    assert [s.name for s in spans] == ["llm_request", "llm_request"]  # the unsampled one made none
+    child, root = spans
+    assert child.trace_id.hex() == trace and child.parent_span_id.hex() == "b7ad6b7169203301"
+    assert root.parent_span_id == b"" and root.trace_id.hex() != trace
+    attrs = {a.key: a.value for a in child.attributes}
+    queue, prefill, decode = (attrs[f"gen_ai.latency.{k}"].double_value
+                              for k in ("time_in_queue", "time_in_model_prefill", "time_in_model_decode"))
+    assert queue >= 0 and prefill > 0 and decode > 0
+    assert attrs["gen_ai.latency.e2e"].double_value >= queue + prefill + decode - 1e-6
+    assert attrs["gen_ai.usage.completion_tokens"].int_value == 5
+    service = ExportTraceServiceRequest.FromString(sink.bodies[0]).resource_spans[0].resource.attributes[0]
+    assert (service.key, service.value.string_value) == ("service.name", "vllm-sim-test")
+
+
+def test_the_simulator_refuses_grpc_tracing() -> None:
+    with pytest.raises(RuntimeError, match="OTLP/HTTP only"):
+        start_sim(8192, extra_args=["--otlp-traces-endpoint", "http://127.0.0.1:4317"],
+                  env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
+
+
+@pytest.mark.asyncio
+async def test_a_tracing_simulator_behind_the_gateway_splits_the_engine_stages() -> None:
+    """Sampled and unsampled requests through the gateway to a replica that traces: its spans come back to the
+    gateway's receiver and only the sampled requests are counted."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    sim = start_sim(8192, extra_args=["--speed", "50", "--otlp-traces-endpoint",
+                                      f"http://127.0.0.1:{port}/v1/traces"], env=TRACING_ENV)
+    tracing = {"enabled": True, "exporter": "discard", "sample_ratio": 1.0, "receive_engine_spans": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    try:
+        async with serving(config([sim.url], tracing), sock) as (url, gw), httpx.AsyncClient(timeout=30) as client:
+            for i in range(6):
+                headers = {"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-00"} if i % 3 == 2 else {}  # 2 unsampled
+                answer = await client.post(url + "/v1/chat/completions", json={**chat, "stream": i % 2 == 0},
+                                           headers=headers)
+                assert answer.status_code == 200
+            engine = gw.telemetry.engine_spans
+            await until(lambda: engine.spans["joined"] >= 4)
+            await asyncio.sleep(0.3)  # nothing more arrives
+            text = (await client.get(url + "/metrics")).text
+    finally:
+        sim.stop()
+    assert engine.spans == {"joined": 4, "unmatched": 0, "other": 0} and engine.tracked == 0
+    for stage in ("queue", "prefill", "decode"):
+        (count, total), = histogram_counts(text, f"m3gate_engine_{stage}_seconds").values()
+        assert count == 4 and total >= 0
