@@ -437,3 +437,41 @@ async def test_a_tracing_simulator_behind_the_gateway_splits_the_engine_stages()
     for stage in ("queue", "prefill", "decode"):
         (count, total), = histogram_counts(text, f"m3gate_engine_{stage}_seconds").values()
         assert count == 4 and total >= 0
+
+
+def test_a_reload_turns_the_receiver_on_and_off_and_rebuilds_forwarding() -> None:
+    from gateway.telemetry import Telemetry
+
+    sink = OtlpSink(keep=True)
+    base = {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": sink.url}
+
+    class Gw:
+        clock = staticmethod(time.monotonic)
+
+        def __init__(self, cfg: GatewayConfig) -> None:
+            self.config = cfg
+            self.pools: dict[str, Any] = {}
+
+    try:
+        gw = Gw(config(["http://10.0.0.1:8000"], base))
+        telemetry = Telemetry(gw, env={})
+        engine = telemetry.engine_spans
+        assert not engine.enabled and engine.forwarder is None
+        telemetry.apply_config(config(["http://10.0.0.1:8000"], {**base, "receive_engine_spans": True}))
+        assert engine.enabled and engine.forwarder is not None and engine.forwarder.kind == "http"
+        first = engine.forwarder
+        telemetry.apply_config(config(["http://10.0.0.1:8000"], {**base, "receive_engine_spans": True,
+                                                                 "sample_ratio": 0.5}))
+        assert engine.enabled and engine.forwarder is not None and engine.forwarder is not first
+        telemetry.apply_config(config(["http://10.0.0.1:8000"], {**base, "enabled": False,
+                                                                 "receive_engine_spans": True}))
+        assert not engine.enabled and engine.forwarder is None  # tracing off: nothing to join, nowhere to forward
+        telemetry.apply_config(config(["http://10.0.0.1:8000"], {**base, "receive_engine_spans": True}))
+        assert engine.enabled
+        # the receiver's counters are in the registry, and stay there when metrics go off and on again
+        assert telemetry.metrics is not None
+        body, _ = telemetry.metrics.render("text/plain")
+        assert b"m3gate_engine_spans_total" in body and b"m3gate_engine_span_attempts_tracked" in body
+        asyncio.run(telemetry.shutdown())
+    finally:
+        sink.close()
