@@ -42,7 +42,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -173,7 +177,7 @@ class Forwarder:
                         ok = bool(self.exporter._client.export(raw).success)
                     else:
                         ok = self.exporter._export(request).name == "SUCCESS"
-                except Exception:  # noqa: BLE001 - a collector problem must not stop the worker
+                except Exception:  # a collector problem must not stop the worker
                     log.exception("forwarding engine spans failed")
                 if ok:
                     self.sent += 1
@@ -192,7 +196,7 @@ class Forwarder:
         self._thread.join(30)
         try:
             self.exporter.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("shutting the engine span exporter down failed")
 
 
@@ -341,7 +345,7 @@ class EngineSpans:
             infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM),
                                            2.0)
             addresses = frozenset(str(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])) for info in infos)
-        except (OSError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, OSError, ValueError):
             return self._resolved[name][0]
         self._resolved[name] = (addresses, now)
         return addresses

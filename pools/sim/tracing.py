@@ -131,7 +131,9 @@ class SimTracer:
     async def _flush(self) -> None:
         if not self._pending or self._session is None:
             return
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
         from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 

@@ -30,7 +30,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
-from gateway.engine_spans import ATTEMPT_TTL_S, MAX_ATTEMPTS, EngineSpans, Forwarder, extract
+from gateway.engine_spans import (
+    ATTEMPT_TTL_S,
+    MAX_ATTEMPTS,
+    EngineSpans,
+    Forwarder,
+    extract,
+)
 from loadtests.bench_telemetry import OtlpSink
 from policies.config import GatewayConfig, TracingConfig
 from pools.sim.launcher import SimProcess, start_sim
@@ -43,7 +49,7 @@ PROTOBUF = {"content-type": "application/x-protobuf"}
 # helpers
 
 
-def attribute(key: str, value: float | int | str) -> KeyValue:
+def attribute(key: str, value: float | str) -> KeyValue:
     if isinstance(value, str):
         return KeyValue(key=key, value=AnyValue(string_value=value))
     if isinstance(value, int):
@@ -320,7 +326,7 @@ def test_forwarding_over_grpc_sends_the_same_request(monkeypatch: pytest.MonkeyP
     got: list[ExportTraceServiceRequest] = []
 
     class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+        def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:
             got.append(request)
             return ExportTraceServiceResponse()
 
@@ -347,7 +353,7 @@ def test_a_full_forwarding_queue_drops_and_counts() -> None:
     class Slow:
         __module__ = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 
-        class _client:  # noqa: N801 - the SDK's attribute name
+        class _client:
             @staticmethod
             def export(data: bytes) -> Any:
                 time.sleep(0.2)
