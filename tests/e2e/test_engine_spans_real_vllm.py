@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.launcher import GatewayProcess, free_port, start_gateway
+from gateway.launcher import GatewayProcess, start_gateway
 from loadtests.bench_telemetry import OtlpSink
 from pools.vllm_local.launcher import VllmServer, start_server
 
@@ -50,31 +50,40 @@ def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
             for s in family.samples if s.name == name}
 
 
+def gateway_config(endpoint: str, sink: OtlpSink) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "pools": [{"name": "interactive", "max_model_len": 2048, "endpoints": [endpoint]}],
+        "server": {"health_interval_s": 0.5},
+        "telemetry": {"tracing": {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf",
+                                  "endpoint": sink.url, "sample_ratio": 1.0, "receive_engine_spans": True}},
+    }
+
+
 @pytest.fixture(scope="module")
 def traced_stack(tiny_model_dir: Path) -> Iterator[tuple[GatewayProcess, VllmServer, OtlpSink]]:
+    """The gateway first (so its port is taken before vLLM is told it), on a placeholder replica; then vLLM,
+    exporting to the gateway; then the gateway's config names the real replica (hot reload)."""
     sink = OtlpSink(keep=True)
-    port = free_port()
-    server = start_server(
-        2048, model_dir=tiny_model_dir,
-        extra_args=["--otlp-traces-endpoint", f"http://127.0.0.1:{port}/v1/traces"],
-        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm-interactive",
-             "OTEL_BSP_SCHEDULE_DELAY": "500"},
-    )
-    gateway: GatewayProcess | None = None
+    gateway = start_gateway(gateway_config("http://127.0.0.1:9", sink), env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
+    server: VllmServer | None = None
     try:
-        config: dict[str, Any] = {
-            "model": MODEL,
-            "pools": [{"name": "interactive", "max_model_len": 2048, "endpoints": [server.url]}],
-            "server": {"health_interval_s": 0.5},
-            "telemetry": {"tracing": {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf",
-                                      "endpoint": sink.url, "sample_ratio": 1.0, "receive_engine_spans": True}},
-        }
-        gateway = start_gateway(config, port=port, env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
+        server = start_server(
+            2048, model_dir=tiny_model_dir,
+            extra_args=["--otlp-traces-endpoint", f"http://127.0.0.1:{gateway.port}/v1/traces"],
+            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm-interactive",
+                 "OTEL_BSP_SCHEDULE_DELAY": "500"},
+        )
+        gateway.write_config(gateway_config(server.url, sink))
+        deadline = time.monotonic() + 30
+        while httpx.get(gateway.url + "/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, f"the reloaded pool never became ready:\n{gateway.log_tail()}"
+            time.sleep(0.2)
         yield gateway, server, sink
     finally:
-        if gateway is not None:
-            gateway.stop()
-        server.stop()
+        gateway.stop()
+        if server is not None:
+            server.stop()
         sink.close()
 
 
