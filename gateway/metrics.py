@@ -286,7 +286,7 @@ class RequestMetrics:
                                        "(vLLM's gen_ai.latency.time_in_model_decode).", cls, STAGE_BUCKETS)
         self.overhead = histogram("m3gate_gateway_overhead_seconds", "The gateway's own share before the upstream "
                                   "call: body read, classification, pool and replica choice (admission waits and "
-                                  "retried attempts excluded).", ("api",), OVERHEAD_BUCKETS)
+                                  "retried attempts excluded).", ("api", *cls), OVERHEAD_BUCKETS)
         self.prompt_tokens = counter("m3gate_prompt_tokens", "Prompt tokens, as the replicas reported them.", cls)
         self.output_tokens = counter("m3gate_output_tokens", "Output tokens (thinking included), as reported.", cls)
         self.cached_tokens = counter("m3gate_cached_prompt_tokens", "Prompt tokens the replicas served from their "
@@ -324,7 +324,7 @@ class RequestMetrics:
         series = self._series[req] = _RequestSeries(
             self.e2e.bucket_series(req), self.ttft.bucket_series(req), self.queue.bucket_series(by_class),
             self.prefill.bucket_series(by_class), self.decode.bucket_series(by_class),
-            self.tpot.bucket_series(by_mode), self.overhead.bucket_series(req[:1]))
+            self.tpot.bucket_series(by_mode), self.overhead.bucket_series((req[0], pool, klass)))
         return series
 
     def forget_series(self) -> None:
