@@ -51,6 +51,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.errors import error_response
 from gateway.metrics import RequestMetrics
 from policies.config import TracingConfig
 
@@ -401,12 +402,16 @@ async def receive(request: Request) -> Response:
 
 
 async def _receive(request: Request, gw: Any, engine: EngineSpans | None) -> Response:
+    # off, or not a replica: answered as any other client of the gateway is (OpenAI-shaped errors); what follows
+    # speaks to an OTLP exporter (google.rpc.Status bodies)
     if engine is None or not engine.enabled:
-        return _status(5, "this gateway does not receive spans (telemetry.tracing.receive_engine_spans)", 404)
+        return error_response(404, "POST /v1/traces: this gateway does not receive spans "
+                              "(telemetry.tracing.receive_engine_spans)", "not_found_error", code=404)
     host = request.client.host if request.client else ""
     pools: Mapping[str, Any] = gw.pools
     if not await engine.allowed(host, (url for pool in list(pools.values()) for url in list(pool.replicas))):
-        return _status(7, f"{host} is not a replica of this gateway (telemetry.tracing.engine_span_sources)", 403)
+        return error_response(403, "POST /v1/traces is open to the replicas only "
+                              "(telemetry.tracing.engine_span_sources)", "permission_error", code="not_a_replica")
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media not in (PROTOBUF, "application/protobuf"):
         return _status(3, "only OTLP/HTTP protobuf is accepted (content-type application/x-protobuf)", 415)
