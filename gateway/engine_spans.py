@@ -234,7 +234,8 @@ class EngineSpans:
         self.enabled = False
         self.max_bytes = 4 * 1024 * 1024
         self._sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-        self._attempts: dict[int, tuple[int, str, str, float]] = {}  # span id → (trace id, pool, class, sent at)
+        self._attempts: dict[int, tuple[int, str, str]] = {}  # span id → (trace id, pool, class)
+        self._order: deque[tuple[float, int]] = deque()  # (sent at, span id) of the last MAX_ATTEMPTS, oldest first
         self._resolved: dict[str, tuple[frozenset[str], float]] = {}  # replica host name → (addresses, when)
         self.forwarder: Forwarder | None = None
         self.spans = {"joined": 0, "unmatched": 0, "other": 0}
@@ -255,6 +256,7 @@ class EngineSpans:
                 exporter.shutdown()
         if not on:
             self._attempts.clear()
+            self._order.clear()
         if old is not None:
             threading.Thread(target=old.close, name="m3gate-engine-span-forward-close", daemon=True).start()
 
@@ -268,25 +270,21 @@ class EngineSpans:
     # the join --------------------------------------------------------------------------------------------------
     def remember(self, trace_id: int, span_id: int, pool: str, klass: str) -> None:
         """A sampled attempt was sent (event loop): its replica's llm_request span will name it as parent."""
-        attempts = self._attempts
         now = self._clock()
-        attempts[span_id] = (trace_id, pool, klass, now)
-        if len(attempts) > MAX_ATTEMPTS:
-            del attempts[next(iter(attempts))]
-        oldest = next(iter(attempts.values()))
-        if now - oldest[3] > ATTEMPT_TTL_S:
+        self._attempts[span_id] = (trace_id, pool, klass)
+        order = self._order
+        order.append((now, span_id))
+        if len(order) > MAX_ATTEMPTS or now - order[0][0] > ATTEMPT_TTL_S:
             self._expire(now)
 
     def forget(self, span_id: int) -> None:
         self._attempts.pop(span_id, None)
 
     def _expire(self, now: float) -> None:
-        attempts = self._attempts
-        while attempts:
-            span_id, entry = next(iter(attempts.items()))
-            if now - entry[3] <= ATTEMPT_TTL_S:
-                return
-            del attempts[span_id]
+        """Forget the attempts beyond the last MAX_ATTEMPTS, and those older than ATTEMPT_TTL_S (O(1) each)."""
+        attempts, order = self._attempts, self._order
+        while order and (len(order) > MAX_ATTEMPTS or now - order[0][0] > ATTEMPT_TTL_S):
+            attempts.pop(order.popleft()[1], None)
 
     def fold(self, timings: list[EngineTiming], spans: int) -> int:
         """Feed the histograms with the llm_request spans of remembered attempts (event loop); returns how many."""
