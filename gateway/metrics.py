@@ -289,9 +289,17 @@ class RequestMetrics:
         self.prefill = histogram("m3gate_prefill_seconds", "Sent to the replica until its first token's event "
                                  "(replica queue + prefill + network).", cls, STAGE_BUCKETS)
         self.decode = histogram("m3gate_decode_seconds", "First to last token's event (streams).", cls, STAGE_BUCKETS)
+        # vLLM's own timings of a sampled request, from its llm_request span (gateway/engine_spans.py)
+        self.engine_queue = histogram("m3gate_engine_queue_seconds", "Waiting in the replica's scheduler queue "
+                                      "(vLLM's gen_ai.latency.time_in_queue; sampled requests of tracing replicas).",
+                                      cls, STAGE_BUCKETS)
+        self.engine_prefill = histogram("m3gate_engine_prefill_seconds", "Scheduled to first token inside the "
+                                        "replica (vLLM's gen_ai.latency.time_in_model_prefill).", cls, STAGE_BUCKETS)
+        self.engine_decode = histogram("m3gate_engine_decode_seconds", "First to last token inside the replica "
+                                       "(vLLM's gen_ai.latency.time_in_model_decode).", cls, STAGE_BUCKETS)
         self.overhead = histogram("m3gate_gateway_overhead_seconds", "The gateway's own share before the upstream "
                                   "call: body read, classification, pool and replica choice (admission waits and "
-                                  "retried attempts excluded).", ("api",), OVERHEAD_BUCKETS)
+                                  "retried attempts excluded).", ("api", *cls), OVERHEAD_BUCKETS)
         self.prompt_tokens = counter("m3gate_prompt_tokens", "Prompt tokens, as the replicas reported them.", cls)
         self.output_tokens = counter("m3gate_output_tokens", "Output tokens (thinking included), as reported.", cls)
         self.cached_tokens = counter("m3gate_cached_prompt_tokens", "Prompt tokens the replicas served from their "
@@ -341,6 +349,14 @@ class RequestMetrics:
         pool = record.pool or NONE
         return self.itl.bucket_series((pool, record.traffic_class or pool, record.thinking_mode or NONE))
 
+    def engine_stages(self, pool: str, klass: str, queue: float | None, prefill: float | None,
+                      decode: float | None) -> None:
+        """One request's stages as its replica timed them (a joined llm_request span); None: not reported."""
+        key = (pool, klass)
+        for table, value in ((self.engine_queue, queue), (self.engine_prefill, prefill), (self.engine_decode, decode)):
+            if value is not None:
+                table.observe(key, max(0.0, value))
+
     def _series_of(self, req: tuple[str, str, str, str]) -> _RequestSeries:
         """The histogram series a routed request of this (api, pool, class, thinking mode) writes, made once."""
         pool, klass, mode = req[1], req[2], req[3]
@@ -348,7 +364,7 @@ class RequestMetrics:
         series = self._series[req] = _RequestSeries(
             self.e2e.bucket_series(req), self.ttft.bucket_series(req), self.queue.bucket_series(by_class),
             self.prefill.bucket_series(by_class), self.decode.bucket_series(by_class),
-            self.tpot.bucket_series(by_mode), self.overhead.bucket_series(req[:1]))
+            self.tpot.bucket_series(by_mode), self.overhead.bucket_series((req[0], pool, klass)))
         return series
 
     def forget_series(self) -> None:

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.coordinator import Coordinator
+from gateway.engine_spans import engine_span_routes
 from gateway.errors import error_response, rejected_response
 from gateway.metrics import metrics_routes
 from gateway.runtime import Gateway
@@ -122,4 +123,5 @@ def routes() -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         *metrics_routes(),
+        *engine_span_routes(),  # POST /v1/traces: the replicas' own spans (off unless configured)
     ]

@@ -53,6 +53,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceSt
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import Status, StatusCode
 
+from gateway.engine_spans import EngineSpans
 from gateway.metrics import GatewayMetrics, error_type, gateway_overhead_s, routing_reason
 from gateway.record import RequestRecord
 from policies.config import TelemetryConfig, TracingConfig
@@ -655,10 +656,28 @@ class Telemetry:
         self.tracing = self._build_tracing(cfg)
         self._retiring: set[Tracing] = set()
         self._off = self.metrics is None and self.tracing is None
+        # the replicas' llm_request spans, joined to sampled attempts (gateway/engine_spans.py)
+        self.engine_spans = EngineSpans(lambda: self.metrics.requests if self.metrics is not None else None,
+                                        self._clock)
+        if self._registry is not None:
+            self._registry.registry.register(self.engine_spans)
+        self._configure_engine_spans(cfg)
 
     def _build_tracing(self, cfg: TelemetryConfig) -> Tracing | None:
         return Tracing.build(cfg.tracing, self._env, lambda: self.gateway.config.model, self._clock,
                              self._span_exporter)
+
+    def _configure_engine_spans(self, cfg: TelemetryConfig) -> None:
+        """The replicas' spans are received while tracing is on and asked for; they are forwarded through an
+        exporter of the gateway's own settings (OTLP only; none when tests hand in their own exporter)."""
+        on = cfg.tracing.receive_engine_spans and self.tracing is not None
+        exporter = None
+        if on and self._span_exporter is None:
+            try:
+                exporter = build_exporter(cfg.tracing, self._env)
+            except Exception:  # noqa: BLE001 - the trace pipeline was built with the same settings; be safe anyway
+                log.exception("telemetry: no exporter to forward the replicas' spans with")
+        self.engine_spans.configure(cfg.tracing, on, exporter)
 
     # per-request hooks -----------------------------------------------------------------------------------------
     def start(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
@@ -676,6 +695,9 @@ class Telemetry:
         ids: TraceIds | None = record.trace
         if ids is not None:
             ids.owner.attempt(record, ids, headers)
+            if ids.sampled and self.engine_spans.enabled:  # its replica's llm_request span will name this attempt
+                self.engine_spans.remember(ids.trace_id, ids.attempts[-1][0], record.pool,
+                                           record.traffic_class or record.pool)
         if record.stream and self.metrics is not None:
             record.extra["itl"] = self.metrics.requests.itl_series(record)
 
@@ -694,6 +716,9 @@ class Telemetry:
                 return
             owner = ids.owner
             owner.in_flight -= 1
+            if len(ids.attempts) > 1:  # only the final attempt's replica span counts; retried ones are forgotten
+                for attempt in ids.attempts[:-1]:
+                    self.engine_spans.forget(attempt[0])
             owner.end(record, ids, now)
             if owner.retiring and owner.in_flight <= 0:
                 self._close(owner)
@@ -714,6 +739,7 @@ class Telemetry:
             created = self._registry is None
             if created:
                 self._registry = GatewayMetrics(self.gateway)
+                self._registry.registry.register(self.engine_spans)
             else:
                 assert self._registry is not None
                 self._registry.resume(self._clock())
@@ -734,6 +760,7 @@ class Telemetry:
                 previous, self.tracing = self.tracing, fresh
                 if previous is not None:
                     self._retire(previous)
+                self._configure_engine_spans(cfg)
                 log.warning("telemetry: tracing %s", "reconfigured" if fresh is not None else "turned off")
         self._off = self.metrics is None and self.tracing is None
         return created
@@ -770,3 +797,4 @@ class Telemetry:
         for tracing in [*self._retiring, *([self.tracing] if self.tracing is not None else [])]:
             await tracing.shutdown()
         self._retiring.clear()
+        await asyncio.to_thread(self.engine_spans.close)

@@ -355,6 +355,8 @@ def schemathesis_cases(count: int, seed: int = 0) -> list[Case]:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
 
+    # /v1/traces takes OTLP protobuf: fuzzed as opaque bytes
+    schemathesis.serializer.alias("application/x-protobuf", "application/octet-stream")
     schema = schemathesis.openapi.from_path(str(OPENAPI))
     weights = {"/v1/chat/completions": 6, "/v1/completions": 2, "/v1/responses": 2, "/v1/messages": 2,
                "/tokenize": 1, "/admin/replicas/drain": 0.5, "/admin/replicas/undrain": 0.5}

@@ -55,6 +55,8 @@ POOLS: dict[str, tuple[int, list[list[str]]]] = {
     "flaky": (16384, [["--speed", "5", "--fault-error-rate", "0.5"]]),
 }
 DEAD_POOL = ("dead", 32768)
+TRACED_POOL = "interactive"  # its replicas export llm_request spans to the gateway (m3gate_engine_*_seconds)
+TRACING_SIM_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "500"}
 # The precise pool: the largest, so nothing spills into it; only the `_precise` worker's requests (forced) go there.
 # Its first replica publishes KV events as vLLM does, the second does not (its scorings fall back: `no_events`).
 PRECISE_POOL = ("precise", 65536)
@@ -252,7 +254,13 @@ def observability_stack(workdir: Path) -> Iterator[Stack]:
     precise_name, precise_len = PRECISE_POOL
     specs = [(pool, max_len, args) for pool, (max_len, replicas) in POOLS.items() for args in replicas]
     specs += [(precise_name, precise_len, args) for args in precise_sims(tokenizer_dir)]
-    with ExitStack() as stack, running_sims([{"max_model_len": m, "extra_args": a} for _, m, a in specs]) as procs:
+    gateway_port = free_port()
+    # the interactive pool's replicas trace as vLLM does, to the gateway's receiver (the engine stage split);
+    # the other pools' do not, and keep only the gateway's combined prefill stage
+    tracing_sim = ["--otlp-traces-endpoint", f"http://127.0.0.1:{gateway_port}/v1/traces"]
+    sim_specs = [{"max_model_len": m, "extra_args": [*a, *tracing_sim], "env": TRACING_SIM_ENV} if pool == TRACED_POOL
+                 else {"max_model_len": m, "extra_args": a} for pool, m, a in specs]
+    with ExitStack() as stack, running_sims(sim_specs) as procs:
         sims: dict[str, list[SimProcess]] = {}
         for (pool, _, _), proc in zip(specs, procs, strict=True):
             sims.setdefault(pool, []).append(proc)
@@ -271,7 +279,9 @@ def observability_stack(workdir: Path) -> Iterator[Stack]:
             "server": {"health_interval_s": 0.5, "upstream_read_timeout_s": 30},
             "admin": {"watch_config": False},
             "state": f"redis://127.0.0.1:{closed_port()}/0",
-        }, workdir=workdir / "gateway")
+            "telemetry": {"tracing": {"enabled": True, "exporter": "discard", "sample_ratio": 1.0,
+                                      "receive_engine_spans": True}},
+        }, port=gateway_port, workdir=workdir / "gateway")
         stack.callback(gateway.stop)
         prometheus = Prometheus(
             prometheus_config(f"127.0.0.1:{gateway.port}", f"127.0.0.1:{closed_port()}"), workdir / "prometheus")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 from dataclasses import dataclass
@@ -283,6 +284,30 @@ class TracingConfig(_Strict):
         default=None, ge=0, le=1, description="Share of new traces kept (parent-based: a sampled caller is always "
         "followed); unset: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, else every trace."
     )
+    receive_engine_spans: bool = Field(
+        default=False, description="Accept the replicas' own spans (vLLM started with --otlp-traces-endpoint "
+        "http://<gateway>/v1/traces and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf) on POST /v1/traces of the "
+        "gateway's port: each llm_request span under a sampled attempt feeds m3gate_engine_{queue,prefill,decode}"
+        "_seconds; every span is forwarded unchanged to this exporter's collector. Needs tracing on."
+    )
+    engine_span_sources: tuple[str, ...] = Field(
+        default=(), description="Networks (CIDR) allowed to POST /v1/traces besides loopback and the "
+        "replicas' own addresses (their URLs' hosts, names resolved), e.g. the pod network behind a NAT."
+    )
+    engine_span_max_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, le=64 * 1024 * 1024, description="Largest /v1/traces body accepted, before "
+        "and after gzip decompression; larger ones get a 413."
+    )
+
+    @field_validator("engine_span_sources")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"engine_span_sources: {item!r} is not an address or network ({exc})") from None
+        return value
 
 
 class TelemetryConfig(_Strict):

@@ -107,7 +107,14 @@ class LaunchSpec(BaseModel):
     kv_events_port: int = Field(default=5557, ge=1, le=65000, description="ZMQ PUB port of DP rank 0.")
     port: int = Field(default=8000, ge=1, le=65535, description="vLLM HTTP port.")
     image: str | None = Field(default=None, description="Container image; None: the recipe's image for the hardware.")
-    otlp_traces_endpoint: str | None = Field(default=None, description="--otlp-traces-endpoint, e.g. http://otel:4317.")
+    otlp_traces_endpoint: str | None = Field(
+        default=None, description="--otlp-traces-endpoint: a collector (http://otel:4317), or the gateway itself "
+        "(http://<gateway>:8080/v1/traces, with telemetry.tracing.receive_engine_spans) for the engine stage split."
+    )
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        default=None, description="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL for vLLM's exporter. None: http/protobuf when "
+        "the endpoint's path ends in /v1/traces (the gateway's receiver speaks only that), else vLLM's grpc."
+    )
     collect_detailed_traces: Literal["model", "worker", "all"] | None = None
     extra_args: tuple[str, ...] = Field(default=(), description="More vllm serve flags (not ones the renderer owns).")
     extra_env: dict[str, str] = Field(default_factory=dict, description="More environment (not the recipe's own).")
@@ -308,6 +315,8 @@ def _refuse_incompatible(spec: LaunchSpec) -> None:
         raise LaunchError(f"{', '.join(sorted(draft_fields))} set but speculative_decoding is off")
     if spec.collect_detailed_traces is not None and spec.otlp_traces_endpoint is None:
         raise LaunchError("collect_detailed_traces needs otlp_traces_endpoint")
+    if spec.otlp_traces_protocol is not None and spec.otlp_traces_endpoint is None:
+        raise LaunchError("otlp_traces_protocol needs otlp_traces_endpoint")
     if spec.kv_events and "PYTHONHASHSEED" in spec.extra_env:
         raise LaunchError("PYTHONHASHSEED seeds vLLM's prefix hashes: with kv_events the gateway could not reproduce them")
     if spec.kv_events:
@@ -439,6 +448,11 @@ def _build(spec: LaunchSpec, pool: PoolLike, served_model: str | None) -> tuple[
     if spec.otlp_traces_endpoint is not None:
         args += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
         env["OTEL_SERVICE_NAME"] = f"vllm-{pool.name}"
+        protocol = spec.otlp_traces_protocol
+        if protocol is None and spec.otlp_traces_endpoint.split("?", 1)[0].rstrip("/").endswith("/v1/traces"):
+            protocol = "http/protobuf"
+        if protocol is not None:
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol
         if spec.collect_detailed_traces is not None:
             args += ["--collect-detailed-traces", spec.collect_detailed_traces]
     args += list(spec.extra_args)

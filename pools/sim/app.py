@@ -32,6 +32,7 @@ from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.faults import FaultUpdate, Faults
 from pools.sim.metrics import CONTENT_TYPE, SimMetrics, cache_config_labels
 from pools.sim.kv_events import SimEventPublisher, parse_kv_events_config, vllm_hashes
+from pools.sim.tracing import TRACEPARENT, SimTracer, parse_traceparent
 from pools.sim.prefix_cache import block_hashes
 from pools.sim.protocol import (
     JSON,
@@ -132,12 +133,14 @@ class SimApp:
         self.metrics = SimMetrics(self.served_name, settings.max_model_len, cache_labels,
                                   kv_connector=settings.kv_transfer.enabled)
         self.kv_events = _event_publisher(settings)  # None unless --kv-events-config turns events on
+        self.tracer = SimTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
         self.engine = Engine(num_blocks=settings.kv_blocks, block_size=settings.block_size,
                              max_num_seqs=settings.max_num_seqs,
                              max_num_batched_tokens=settings.max_num_batched_tokens, cost=settings.cost,
                              metrics=self.metrics, enable_prefix_caching=settings.enable_prefix_caching,
                              max_num_queued_reqs=settings.max_num_queued_reqs,
-                             max_num_queued_tokens=settings.max_num_queued_tokens, cache_sink=self.kv_events)
+                             max_num_queued_tokens=settings.max_num_queued_tokens, cache_sink=self.kv_events,
+                             finish_sink=self.tracer.finished if self.tracer is not None else None)
         # --role prefill/decode: vLLM's NixlConnector (disagg.py); --role both: no connector, params ignored
         self.kv_connector = NixlConnector(settings, self.engine, self.metrics) if settings.kv_transfer.enabled else None
         self.engine.connector = self.kv_connector
@@ -158,6 +161,8 @@ class SimApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path: str = scope["path"]
+            if self.tracer is not None:
+                TRACEPARENT.set(next((v.decode("latin-1") for k, v in scope["headers"] if k == b"traceparent"), None))
             if not path.startswith("/sim/"):
                 self.http.requests[path] += 1
             key = self.settings.api_key
@@ -210,6 +215,8 @@ class SimApp:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.kv_events is not None:
             await self.kv_events.start()
+        if self.tracer is not None:
+            await self.tracer.start()
         self.engine.start()
         try:
             yield
@@ -217,6 +224,8 @@ class SimApp:
             await self.engine.stop()
             if self.kv_connector is not None:
                 await self.kv_connector.stop()
+            if self.tracer is not None:
+                await self.tracer.stop()
             if self.kv_events is not None:
                 await self.kv_events.stop()
 
@@ -410,7 +419,8 @@ class SimApp:
             sim = SimRequest(request_id=response_id if n == 1 else f"{i}_{response_id}",
                              prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
                              output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
-                             arrival=arrival, group=group, wake=wake)
+                             arrival=arrival, group=group, wake=wake,
+                             trace_parent=parse_traceparent(TRACEPARENT.get()) if self.tracer is not None else None)
             if self.kv_connector is not None:
                 self.kv_connector.configure(sim, kv_transfer)
             try:

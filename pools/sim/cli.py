@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="publish KV-cache events over ZMQ as vLLM does, e.g. '{\"enable_kv_cache_events\":true,"
                         "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\","
                         "\"topic\":\"kv\"}' (tcp://*:0 picks a free port; GET /kv_event_sources says which)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export an llm_request span per request as vLLM does, over OTLP/HTTP (needs "
+                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), e.g. http://gateway:8080/v1/traces")
     g.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor"],
                    help="hash blocks as vLLM does (over token ids) so a gateway can reproduce them (default: a fast "
                         "internal hash)")
@@ -141,6 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         adaptive_thinking_probability=args.adaptive_thinking_probability, image_tokens=args.image_tokens,
         video_tokens=args.video_tokens, api_key=args.api_key, kv_events_config=args.kv_events_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         kv_transfer=KVTransferSettings(role=args.role, engine_id=args.engine_id,
                                        ms_per_block=args.kv_transfer_ms_per_block,
                                        lease_duration_s=args.kv_lease_duration,
@@ -181,6 +185,12 @@ def check_settings(s: SimSettings) -> str | None:
             parse_kv_events_config(s.kv_events_config)
         except ValueError as exc:
             return f"--kv-events-config: {exc}"
+    if s.otlp_traces_endpoint is not None:
+        from pools.sim.tracing import check_protocol
+
+        problem = check_protocol(os.environ)
+        if problem:
+            return problem
     return None
 
 

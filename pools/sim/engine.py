@@ -103,6 +103,7 @@ class SimRequest:
     finished_at: float | None = None
     finish_reason: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    trace_parent: tuple[int, int] | None = None  # (trace id, parent span id) of its traceparent (pools/sim/tracing.py)
 
     @property
     def finished(self) -> bool:
@@ -131,7 +132,8 @@ class Engine:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  cost: CostModel, metrics: SimMetrics, enable_prefix_caching: bool = True,
                  max_num_queued_reqs: int | None = None, max_num_queued_tokens: int | None = None,
-                 cache_sink: CacheEventSink | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 cache_sink: CacheEventSink | None = None, clock: Callable[[], float] = time.monotonic,
+                 finish_sink: Callable[[SimRequest], None] | None = None) -> None:
         self.prefix_cache = PrefixCache(cache_sink) if enable_prefix_caching else None
         self.kv = KVCacheManager(num_blocks, block_size, self.prefix_cache)
         self.block_size = block_size
@@ -142,6 +144,7 @@ class Engine:
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_num_queued_tokens = max_num_queued_tokens
         self.clock = clock
+        self.finish_sink = finish_sink  # told of every finished request (--otlp-traces-endpoint: its span)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.loading: list[SimRequest] = []  # parked while the connector pulls their prompt's KV
@@ -443,6 +446,8 @@ class Engine:
                 m.tpot.observe(decode / (req.num_output - 1))
             m.request_prompt_tokens.observe(req.prompt_tokens)
             m.request_generation_tokens.observe(req.num_output)
+        if self.finish_sink is not None:
+            self.finish_sink(req)
         req.wake.set()
 
     # ---- views -----------------------------------------------------------------------------------------------

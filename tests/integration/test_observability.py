@@ -335,7 +335,8 @@ def test_metrics_move_with_the_right_labels(metrics_gateway: GatewayProcess, sim
     assert moved("m3gate_upstream_requests_total", pool="interactive", endpoint=sim.url, status="200") == 3
     assert moved("m3gate_request_errors_total", api="chat", pool="none", **{"class": "none"},
                  type="model_not_found") == 1
-    assert moved("m3gate_gateway_overhead_seconds_count", api="chat") == 2
+    assert moved("m3gate_gateway_overhead_seconds_count", api="chat", pool="interactive",
+                 **{"class": "interactive"}) == 2
     assert value(after, "m3gate_requests_in_flight", api="chat") == 0
     # replica state, read at scrape time from the monitor's last poll
     replica = {"pool": "interactive", "endpoint": sim.url}

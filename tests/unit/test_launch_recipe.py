@@ -481,6 +481,26 @@ def test_tracing_flags_and_service_name() -> None:
     assert flags["--otlp-traces-endpoint"] == "http://otel-collector:4317"
     assert flags["--collect-detailed-traces"] == "model"
     assert cmd.env["OTEL_SERVICE_NAME"] == "vllm-long"
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in cmd.env  # a collector's gRPC port: vLLM's default
+
+
+@pytest.mark.parametrize(("launch", "protocol"), [
+    ({"otlp_traces_endpoint": "http://m3gate:8080/v1/traces"}, "http/protobuf"),  # the gateway's receiver
+    ({"otlp_traces_endpoint": "http://otel:4318/v1/traces/"}, "http/protobuf"),
+    ({"otlp_traces_endpoint": "http://otel:4318/custom", "otlp_traces_protocol": "http/protobuf"}, "http/protobuf"),
+    ({"otlp_traces_endpoint": "http://m3gate:8080/v1/traces", "otlp_traces_protocol": "grpc"}, "grpc"),
+])
+def test_engine_spans_to_the_gateway_are_exported_over_http(launch: dict[str, str], protocol: str) -> None:
+    pool = PoolConfig.model_validate({"name": "p", "max_model_len": 32768, "launch": {"hardware": "h200", **launch}})
+    (cmd,) = render(pool, SERVED)
+    assert parse_flags(cmd.argv[3:])["--otlp-traces-endpoint"] == launch["otlp_traces_endpoint"]
+    assert cmd.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == protocol
+
+
+def test_a_traces_protocol_needs_an_endpoint() -> None:
+    with pytest.raises(ValueError, match="otlp_traces_protocol needs otlp_traces_endpoint"):
+        PoolConfig.model_validate({"name": "p", "max_model_len": 32768, "launch": {
+            "hardware": "h200", "otlp_traces_protocol": "http/protobuf"}})
 
 
 def test_render_config_uses_the_gateway_model_as_served_name() -> None:

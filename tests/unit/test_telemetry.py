@@ -302,7 +302,7 @@ def test_streamed_request_moves_latency_token_and_routing_metrics() -> None:
     tpot = {"pool": "interactive", "class": "interactive", "thinking_mode": "disabled"}
     assert sample(telemetry, "m3gate_time_per_output_token_seconds_sum", **tpot) == pytest.approx(0.02)
     assert sample(telemetry, "m3gate_request_duration_seconds_sum", **req) == pytest.approx(1.25)
-    assert sample(telemetry, "m3gate_gateway_overhead_seconds_sum", api="chat") == pytest.approx(0.004)
+    assert sample(telemetry, "m3gate_gateway_overhead_seconds_sum", api="chat", **cls) == pytest.approx(0.004)
     assert sample(telemetry, "m3gate_gateway_queue_seconds_count", **cls) == 1
     assert sample(telemetry, "m3gate_prompt_tokens_total", **cls) == 1000
     assert sample(telemetry, "m3gate_output_tokens_total", **cls) == 51
