@@ -234,7 +234,8 @@ class EngineSpans:
         self.enabled = False
         self.max_bytes = 4 * 1024 * 1024
         self._sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-        self._attempts: dict[int, tuple[int, str, str]] = {}  # span id → (trace id, pool, class)
+        # span id → (trace id, pool, class, the request's `extra`, where the split is noted for the status page)
+        self._attempts: dict[int, tuple[int, str, str, dict[str, Any] | None]] = {}
         self._order: deque[tuple[float, int]] = deque()  # (sent at, span id) of the last MAX_ATTEMPTS, oldest first
         self._resolved: dict[str, tuple[frozenset[str], float]] = {}  # replica host name → (addresses, when)
         self.forwarder: Forwarder | None = None
@@ -268,10 +269,12 @@ class EngineSpans:
             forwarder.close()
 
     # the join --------------------------------------------------------------------------------------------------
-    def remember(self, trace_id: int, span_id: int, pool: str, klass: str) -> None:
-        """A sampled attempt was sent (event loop): its replica's llm_request span will name it as parent."""
+    def remember(self, trace_id: int, span_id: int, pool: str, klass: str,
+                 extra: dict[str, Any] | None = None) -> None:
+        """A sampled attempt was sent (event loop): its replica's llm_request span will name it as parent. `extra`:
+        the request record's, which gets the engine's split (`extra["engine"]`) for the status page's waterfall."""
         now = self._clock()
-        self._attempts[span_id] = (trace_id, pool, klass)
+        self._attempts[span_id] = (trace_id, pool, klass, extra)
         order = self._order
         order.append((now, span_id))
         if len(order) > MAX_ATTEMPTS or now - order[0][0] > ATTEMPT_TTL_S:
@@ -299,6 +302,8 @@ class EngineSpans:
             joined += 1
             if metrics is not None:
                 metrics.engine_stages(entry[1], entry[2], queue, prefill, decode)
+            if entry[3] is not None:
+                entry[3]["engine"] = {"queue_s": queue, "prefill_s": prefill, "decode_s": decode}
         self.spans["joined"] += joined
         self.spans["unmatched"] += len(timings) - joined
         self.spans["other"] += spans - len(timings)

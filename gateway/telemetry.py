@@ -697,7 +697,7 @@ class Telemetry:
             ids.owner.attempt(record, ids, headers)
             if ids.sampled and self.engine_spans.enabled:  # its replica's llm_request span will name this attempt
                 self.engine_spans.remember(ids.trace_id, ids.attempts[-1][0], record.pool,
-                                           record.traffic_class or record.pool)
+                                           record.traffic_class or record.pool, record.extra)
         if record.stream and self.metrics is not None:
             record.extra["itl"] = self.metrics.requests.itl_series(record)
 
