@@ -332,6 +332,12 @@ class RequestMetrics:
         self.turn_ttft = histogram(
             "m3gate_turn_time_to_first_token_seconds", "Arrival to first token of streamed session turns, by turn "
             "kind and cache path (warm vs cold turns).", ("pool", "class", "turn_kind", "cache_path"), TTFT_BUCKETS)
+        self.turn_prompt_tokens = counter(
+            "m3gate_turn_prompt_tokens", "Prompt tokens of session turns by turn index (bucketed: 1, 2, 3-4, 5-8, "
+            "9-16, 17+), as the replicas reported them.", ("pool", "class", "turn"))
+        self.turn_cached_tokens = counter(
+            "m3gate_turn_cached_prompt_tokens", "Cached prompt tokens of session turns by turn index (bucketed): "
+            "÷ m3gate_turn_prompt_tokens_total is the cached share by turn.", ("pool", "class", "turn"))
         self.session_duration = histogram(
             "m3gate_session_duration_seconds", "Ended sessions: first arrival → last byte of the last turn (task "
             "time).", ("class",), SESSION_BUCKETS)
@@ -443,6 +449,14 @@ class RequestMetrics:
         t = turn.turn
         cache = turn.cache_path or NONE
         self.turns.inc((*by_class, t.kind, cache, turn.source))
+        usage = record.usage
+        if usage and record.status == 200:
+            prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+            cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            index = (*by_class, _turn_bucket(t.index))
+            self.turn_prompt_tokens.inc(index, float(prompt))
+            self.turn_cached_tokens.inc(index, float(cached))
         if t.wait_kind == "tool":
             self.tool_turnaround.observe(by_class, t.wait_s)
         elif t.wait_kind == "think":
@@ -455,6 +469,16 @@ class RequestMetrics:
         cls = (session.traffic_class or NONE,)
         self.session_duration.observe(cls, max(0.0, session.last_end - session.started))
         self.session_turns.observe(cls, float(session.turns))
+
+
+def _turn_bucket(index: int) -> str:
+    """A turn index as a bounded label value."""
+    if index <= 2:
+        return str(max(1, index))
+    for top, label in ((4, "3-4"), (8, "5-8"), (16, "9-16")):
+        if index <= top:
+            return label
+    return "17+"
 
 
 class _RequestSeries(NamedTuple):
