@@ -48,7 +48,7 @@ from loadtests.replicas import (
     GatewayProc,
     cpu_seconds,
     sched_wait_seconds,
-    gateway_config,
+    bench_config,
     pin,
     raise_fd_limit,
     rss_bytes,
@@ -478,25 +478,6 @@ def gateway_metric_overhead(url: str) -> float | None:
         elif line.startswith("m3gate_gateway_overhead_seconds_count"):
             count += float(line.rsplit(" ", 1)[1])
     return 1000 * total / count if count else None
-
-
-def bench_config(urls: Sequence[str]) -> dict[str, Any]:
-    """A gateway config whose admission never holds a request back (this bench measures the relay, not admission):
-    one traffic class with room for every request, and no pool saturation from replicas' queues. Falls back to the
-    plain config if this gateway version has no such settings."""
-    cfg = gateway_config(urls, policy="prefix_affinity", max_model_len=8192,
-                         extra={"server": {"health_interval_s": 2.0}})
-    permissive = {**cfg, "traffic": {
-        "classes": {"bench": {"priority": 0, "max_concurrency": 100_000, "queue_length": 100_000,
-                              "max_queue_wait_s": 600}},
-        "saturation": {"max_waiting": None, "max_kv_usage": None}}}
-    try:
-        from policies.config import GatewayConfig
-
-        GatewayConfig.model_validate(permissive)
-        return permissive
-    except Exception:  # noqa: BLE001 - an older/newer config model: use the defaults
-        return cfg
 
 
 def _f(v: Any, spec: str = ".2f") -> str:

@@ -7,6 +7,9 @@
   environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
   (no registry access).
 
+- `m3gate@DIR`: m3gate as checked out in DIR (e.g. `git worktree add /tmp/base <commit>`), with the same config as
+  the m3gate under test: an A/B of two versions in the same run (`--peers floor,m3gate@/tmp/base`).
+
 Each runs as its own process on a free loopback port, pinned like the gateway; stop() ends it by PID.
 """
 
@@ -72,13 +75,29 @@ class PeerProcess:
 
 
 def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> PeerProcess:
-    """Start peer `name` ("floor" or "sglang-router") in front of `upstreams`; raises RuntimeError if it can't."""
+    """Start peer `name` ("floor", "sglang-router" or "m3gate@DIR") in front of `upstreams`; raises RuntimeError if
+    it can't."""
     from gateway.launcher import free_port
 
     port = free_port()
-    folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name}-"))
+    folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name.split('@')[0]}-"))
     log = folder / "peer.log"
-    if name == "floor":
+    cwd = Path(__file__).resolve().parent.parent
+    env = None
+    if name.startswith("m3gate@"):
+        import yaml
+
+        from loadtests.replicas import bench_config
+
+        cwd = Path(name.split("@", 1)[1]).resolve()
+        if not (cwd / "gateway" / "cli.py").exists():
+            raise RuntimeError(f"{cwd} is not an m3gate checkout")
+        config = folder / "pools.yaml"
+        config.write_text(yaml.safe_dump(bench_config(upstreams), sort_keys=False))
+        env = {**os.environ, "PYTHONPATH": str(cwd)}
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host", "127.0.0.1", "--port",
+               str(port)]
+    elif name == "floor":
         cmd = [sys.executable, "-m", "loadtests.floor_proxy", str(port), *upstreams]
     elif name == "sglang-router":
         python, why = sglang_python()
@@ -90,7 +109,7 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
     else:
         raise ValueError(f"unknown peer {name!r}")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     peer = PeerProcess(name, f"http://127.0.0.1:{port}", proc.pid, proc, log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
