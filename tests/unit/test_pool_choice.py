@@ -252,3 +252,41 @@ def test_the_exact_count_carries_no_safety_margin() -> None:
                              modalities=frozenset({"text"}), thinking_mode="adaptive", stream=False)
     assert choose(profile).pool == REPOSITORY
     assert choose(with_exact_prompt_tokens(profile, 32_000)).pool == INTERACTIVE
+
+
+def test_a_sampled_estimate_widens_the_band_by_its_error_bound() -> None:
+    """22,000 estimated + 4,096 of output: 10% more (28.7K) still fits 32K, so an exact estimate is not recounted;
+    the same number sampled with a ±20% bound could be 27.5K of prompt, past 32K with its output: recounted."""
+    def profile(error: float) -> RequestProfile:
+        return RequestProfile(api="chat", model=None, prompt_tokens=22_000, output_budget=4_096, budget_explicit=True,
+                              modalities=frozenset({"text"}), thinking_mode="disabled", stream=False,
+                              estimate_exact=error == 0.0, estimate_error=error)
+
+    assert choose(profile(0.0)).pool == INTERACTIVE and not choose(profile(0.0)).needs_exact_count
+    widened = choose(profile(0.2))
+    assert widened.pool == INTERACTIVE and widened.needs_exact_count
+    assert with_exact_prompt_tokens(profile(0.2), 22_500).estimate_error == 0.0
+
+
+@pytest.mark.parametrize("limit_pool", [INTERACTIVE, REPOSITORY])
+def test_near_a_boundary_sampling_never_changes_the_pool_unnoticed(limit_pool: PoolConfig) -> None:
+    """Chats of mixed text from 80% to 120% of a pool's limit, classified from a sample and from a full count: either
+    both choose the same pool, or the sampled one asks for the exact count (which then decides as the full one)."""
+    corpus = TextCorpus()
+    exact_cfg = CFG.model_copy(update={"full_count_below_chars": 10**9})
+    sampled_counter = TokenCounter(CFG)
+    exact_counter = TokenCounter(exact_cfg)
+    disabled = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    rng = random.Random(limit_pool.name)
+    limit = limit_pool.max_model_len - 4_096
+    for step in range(9):
+        n_tokens = int(limit * (0.8 + 0.05 * step))
+        text = text_with_tokens(corpus, "mixed", n_tokens, rng)
+        body = {"messages": [{"role": "user", "content": text}], **disabled}
+        sampled = classify(body, "chat", CFG, sampled_counter)
+        exact = classify(body, "chat", exact_cfg, exact_counter)
+        assert not sampled.estimate_exact and exact.estimate_exact
+        by_sample, by_count = choose(sampled), choose(exact)
+        assert by_sample.pool == by_count.pool or by_sample.needs_exact_count, (n_tokens, sampled, exact)
+        if by_count.needs_exact_count:  # within the plain band of the full count: the sample asks too
+            assert by_sample.needs_exact_count, (n_tokens, sampled, exact)
