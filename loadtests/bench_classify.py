@@ -2,8 +2,11 @@
 
 `python -m loadtests.bench_classify` builds agent-like chat requests (a system prompt, tool schemas, many turns with
 tool calls and results, a few huge pasted files) of about 1K, 32K, 128K and 1M tokens from varied real text — Python
-source, English docstrings, JSON records, Chinese and Japanese prose — then times `classify` + `choose_pool` and
-compares with what a full exact count of the same text would cost. The target is ≤ 10 ms p50 at 1M tokens.
+source, English docstrings, JSON records, Chinese and Japanese prose — then times `classify` + `choose_pool` with
+the current token counter and, interleaved on the same chats, the previous one (loadtests/classify_reference.py), and
+compares with what a full exact count of the same text would cost. The target is ≤ 3 ms p50 cold at every size up to
+1M tokens, with the pool chosen from the estimate the one chosen from the exact count (or a /tokenize asked first).
+`--long` measures the gateway's CPU per cold long chat end to end instead (loadtests/bench_classify_http.py).
 
 The text builders are also used by the unit tests to make prompts of an intended size.
 """
@@ -15,13 +18,16 @@ import json
 import random
 import re
 import statistics
+import sys
 import sysconfig
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import tiktoken
 
+from loadtests.classify_reference import ReferenceTokenCounter
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import choose_pool
@@ -183,54 +189,84 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counter: TokenCounter,
                          pools: list[PoolConfig]) -> tuple[float, RequestProfile, str]:
-    """Seconds for classify + choose_pool, the profile, and the pool chosen (or "rejected")."""
-    start = time.perf_counter()
+    """CPU seconds of this thread for classify + choose_pool (not wall time: on a shared machine that mostly measures
+    the other processes), the profile, and the pool chosen (or "rejected")."""
+    start = time.thread_time()
     profile = classify(body, "chat", cfg, counter)
     try:
         pool = choose_pool(profile, pools, cfg).pool.name
     except RequestRejected:
         pool = "rejected"
-    return time.perf_counter() - start, profile, pool
+    return time.thread_time() - start, profile, pool
 
 
 def run(sizes: list[int], requests: int, repeats: int, seed: int,
         cfg: ClassificationConfig | None = None) -> list[dict[str, Any]]:
-    """One row per size: cold and warm-cache timings, the full exact count's cost, and the estimate's error."""
+    """One row per size and counter ("new": policies.tokens; "reference": the previous one, on the same chats,
+    interleaved): cold and warm-cache timings, the full exact count's cost, the estimate's error and stated bound, and
+    whether the pool chosen from the estimate is the one chosen from the exact count (or a /tokenize is asked)."""
     cfg = cfg or ClassificationConfig()
     exact_cfg = cfg.model_copy(update={"full_count_below_chars": 10**12})  # the same render, fully tokenized
     pools = product_pools()
     corpus = TextCorpus()
     rng = random.Random(seed)
+    counters: dict[str, Callable[[], Any]] = {
+        "new": lambda: TokenCounter(cfg), "reference": lambda: ReferenceTokenCounter(cfg)}
     rows = []
     for size in sizes:
         bodies = [agent_chat(corpus, size, rng) for _ in range(requests)]
-        cold: list[float] = []
-        warm: list[float] = []
+        cold: dict[str, list[float]] = {name: [] for name in counters}
+        warm: dict[str, list[float]] = {name: [] for name in counters}
         for _ in range(repeats):
             for body in bodies:
-                counter = TokenCounter(cfg)  # an empty cache: nothing counted before
-                cold.append(_classify_and_choose(body, cfg, counter, pools)[0])
-                warm.append(_classify_and_choose(body, cfg, counter, pools)[0])  # a next turn repeats its history
-        exact_times, errors, outcome = [], [], None
+                for name, make in counters.items():  # interleaved: both see the same machine noise
+                    counter = make()  # an empty cache: nothing counted before
+                    cold[name].append(_classify_and_choose(body, cfg, counter, pools)[0])
+                    warm[name].append(_classify_and_choose(body, cfg, counter, pools)[0])  # a next turn
+        exact_times, exact_profiles, exact_choices = [], [], []
         for body in bodies:
-            _, estimated, outcome = _classify_and_choose(body, cfg, TokenCounter(cfg), pools)
-            seconds, exact, _ = _classify_and_choose(body, exact_cfg, TokenCounter(exact_cfg), pools)
+            seconds, profile, _ = _classify_and_choose(body, exact_cfg, TokenCounter(exact_cfg), pools)
             exact_times.append(seconds)
-            errors.append(estimated.prompt_tokens / exact.prompt_tokens - 1)
-        rows.append({
-            "target": size,
-            "tokens": int(statistics.median(_classify_and_choose(b, exact_cfg, TokenCounter(exact_cfg), pools)[1]
-                                            .prompt_tokens for b in bodies)),
-            "messages": len(bodies[0]["messages"]),
-            "p50_ms": _percentile(cold, 0.5) * 1e3,
-            "p99_ms": _percentile(cold, 0.99) * 1e3,
-            "warm_p50_ms": _percentile(warm, 0.5) * 1e3,
-            "exact_ms": statistics.median(exact_times) * 1e3,
-            "worst_error": max(errors, key=abs),
-            "sampled": not estimated.estimate_exact,
-            "pool": outcome,
-        })
+            exact_profiles.append(profile)
+            exact_choices.append(_choice(profile, pools, cfg))
+        for name, make in counters.items():
+            errors, bounds, same, asks, sampled = [], [], 0, 0, False
+            for body, exact, exact_choice in zip(bodies, exact_profiles, exact_choices):
+                estimated = classify(body, "chat", cfg, make())
+                errors.append(estimated.prompt_tokens / exact.prompt_tokens - 1)
+                bounds.append(estimated.estimate_error)
+                sampled = sampled or not estimated.estimate_exact
+                pool, asked = _choice(estimated, pools, cfg)
+                asks += asked
+                same += pool == exact_choice[0] or asked  # a /tokenize then decides as the exact count does
+            rows.append({
+                "target": size,
+                "counter": name,
+                "tokens": int(statistics.median(p.prompt_tokens for p in exact_profiles)),
+                "messages": len(bodies[0]["messages"]),
+                "p50_ms": _percentile(cold[name], 0.5) * 1e3,
+                "p99_ms": _percentile(cold[name], 0.99) * 1e3,
+                "warm_p50_ms": _percentile(warm[name], 0.5) * 1e3,
+                "exact_ms": statistics.median(exact_times) * 1e3,
+                "worst_error": max(errors, key=abs),
+                "max_bound": max(bounds),
+                "within_bound": all(abs(e) <= b for e, b in zip(errors, bounds)),
+                "sampled": sampled,
+                "pool": exact_choices[0][0],
+                "same_pool": f"{same}/{len(bodies)}",
+                "tokenize": f"{asks}/{len(bodies)}",
+                "exact_tokenize": f"{sum(asked for _, asked in exact_choices)}/{len(bodies)}",
+            })
     return rows
+
+
+def _choice(profile: RequestProfile, pools: list[PoolConfig], cfg: ClassificationConfig) -> tuple[str, bool]:
+    """The pool chosen (or "rejected") and whether the gateway would ask a replica's /tokenize first."""
+    try:
+        choice = choose_pool(profile, pools, cfg)
+    except RequestRejected:
+        return "rejected", False
+    return choice.pool.name, choice.needs_exact_count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,20 +276,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per request")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--full-count-below-chars", type=int, default=None,
-                        help="override classification.full_count_below_chars (where sampling starts)")
+                        help="set classification.full_count_below_chars (where sampling starts) for both counters")
+    parser.add_argument("--long", action="store_true",
+                        help="end to end instead: a gateway process before --instant simulators, its CPU per cold "
+                             "long chat over HTTP (loadtests.bench_classify_http)")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--long" in argv:
+        from loadtests.bench_classify_http import main as http_main
+
+        return http_main([a for a in argv if a != "--long"])
     args = parser.parse_args(argv)
     cfg = ClassificationConfig()
     if args.full_count_below_chars:
         cfg = cfg.model_copy(update={"full_count_below_chars": args.full_count_below_chars})
     rows = run([int(s) for s in args.sizes.split(",")], args.requests, args.repeats, args.seed, cfg)
-    print("classify + choose_pool on agent-like chats (cold: empty count cache; warm: the same history again);")
-    print("exact = the same classification with every text fully tokenized; error = estimate vs exact, worst request")
-    print(f"{'target':>9} {'tokens':>9} {'msgs':>5} {'p50 ms':>8} {'p99 ms':>8} {'warm p50':>9} {'exact ms':>9} "
-          f"{'p50/exact':>9} {'error':>7} {'sampled':>7}  pool")
+    print("classify + choose_pool on agent-like chats, CPU time of the thread (cold: empty count cache; warm: the")
+    print("same history again);")
+    print("new = policies.tokens, reference = the previous counter (loadtests/classify_reference.py), interleaved;")
+    print("exact = the same classification with every text fully tokenized; error = estimate vs exact, worst request;")
+    print("bound = the largest error bound stated (pool choice widens its band by it); pool = chosen from the exact")
+    print("count; same = chose it too or asked /tokenize; /tok = asked a replica's /tokenize (exact count's in brackets)")
+    print(f"{'target':>9} {'tokens':>9} {'msgs':>5} {'counter':>9} {'p50 ms':>8} {'p99 ms':>8} {'warm p50':>9} "
+          f"{'exact ms':>9} {'error':>7} {'bound':>6} {'sampled':>7}  {'pool':<12} {'same':>5} {'/tok':>9}")
     for r in rows:
-        print(f"{r['target']:>9,} {r['tokens']:>9,} {r['messages']:>5} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-              f"{r['warm_p50_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['p50_ms'] / r['exact_ms']:>9.3f} "
-              f"{r['worst_error']:>+7.2%} {str(r['sampled']):>7}  {r['pool']}")
+        print(f"{r['target']:>9,} {r['tokens']:>9,} {r['messages']:>5} {r['counter']:>9} {r['p50_ms']:>8.3f} "
+              f"{r['p99_ms']:>8.3f} {r['warm_p50_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['worst_error']:>+7.2%} "
+              f"{r['max_bound']:>6.1%} {str(r['sampled']):>7}  {r['pool']:<12} {r['same_pool']:>5} "
+              f"{r['tokenize']:>4} ({r['exact_tokenize']})")
     return 0
 
 

@@ -1,0 +1,177 @@
+"""Gateway CPU per cold long chat, end to end over HTTP: body read, parse, classify, pool choice, prefix hashing, relay.
+
+    python -m loadtests.bench_classify --long [--sizes 32000,900000] [--requests 6] [--rounds 2]
+
+Three pools (32K / 128K / 1M context) of one `--instant` simulator each, and two gateway processes in front of them:
+the current one ("new") and one whose token counter is the previous one ("reference",
+loadtests/classify_reference.py), started the same way. Each request is an agent-like chat (loadtests.bench_classify's
+`agent_chat`: a system prompt, tools, many turns, huge pasted files) that neither gateway has seen (cold count caches
+and prefix index), streamed, with max_tokens 16 so that the answer is a few SSE events; the same chats go to both
+gateways, one request at a time, alternating which goes first. A gateway's CPU per request is read from
+/proc/PID/task/*/schedstat (every thread, to the nanosecond: bodies over 64 KiB are classified in a worker thread)
+before the request and after its answer, so what other processes do on this shared machine is not counted. The
+gateways are pinned to CPU 0, this process and the simulators to CPU 1, where the machine has two.
+
+Reported per size and gateway: the chats' exact token count (median), gateway CPU per request p50 and max, and how
+many chats made the gateway ask a replica's /tokenize (near a pool's limit; computed in-process with the same
+policies). Targets: ≤ 5 ms p50 for a ~28K-token chat (`--sizes` target 32000), ≤ 25 ms for a ~900K-token one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import orjson
+
+from loadtests.bench_classify import TextCorpus, agent_chat
+from loadtests.classify_reference import ReferenceTokenCounter
+from loadtests.replicas import GatewayProc, pin, thread_cpu_seconds, wait_gateway_sees
+from policies.classify import classify
+from policies.errors import RequestRejected
+from policies.pool_choice import choose_pool
+from policies.tokens import TokenCounter
+from pools.config import ClassificationConfig, PoolConfig
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+POOLS = (("interactive", 32_768), ("repository", 131_072), ("extended", 1_048_576))
+GATEWAY_CPUS = {0}
+LOAD_CPUS = {1}
+SETTLE_S = 0.05  # after the answer, before reading the gateway's CPU: its end-of-request bookkeeping
+
+
+def gateway_config(urls: dict[str, str]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "pools": [{"name": name, "max_model_len": size, "modalities": ["text"], "endpoints": [urls[name]]}
+                  for name, size in POOLS],
+        "routing": {"policy": "prefix_affinity"},
+        "server": {"health_interval_s": 2.0},
+        "admin": {"watch_config": False},
+    }
+
+
+def serve_reference(config_path: str, port: int) -> int:
+    """The gateway with the previous token counter (`--serve-reference CONFIG PORT`)."""
+    import gateway.app
+    from gateway.server import serve
+
+    gateway.app.TokenCounter = ReferenceTokenCounter  # type: ignore[misc,assignment]
+    return serve(config_path, "127.0.0.1", port)
+
+
+def gateway_cpu(pid: int) -> float:
+    main, others = thread_cpu_seconds(pid)
+    return main + others
+
+
+def send(conn: http.client.HTTPConnection, payload: bytes) -> tuple[int, str]:
+    conn.request("POST", "/v1/chat/completions", body=payload, headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status, resp.getheader("x-m3gate-pool") or ""
+
+
+def asks_tokenize(body: dict[str, Any], counter: Any, cfg: ClassificationConfig, pools: list[PoolConfig]) -> bool:
+    try:
+        return choose_pool(classify(body, "chat", cfg, counter), pools, cfg).needs_exact_count
+    except RequestRejected:
+        return False
+
+
+def run(sizes: list[int], requests: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+    from pools.sim.launcher import running_sims
+
+    pin(os.getpid(), LOAD_CPUS)
+    corpus = TextCorpus()
+    rng = random.Random(seed)
+    cfg = ClassificationConfig()
+    pools = [PoolConfig(name=name, max_model_len=size, modalities=["text"]) for name, size in POOLS]
+    exact_cfg = cfg.model_copy(update={"full_count_below_chars": 10**12})
+    specs = [{"max_model_len": size, "extra_args": ["--instant"]} for _, size in POOLS]
+    rows = []
+    with running_sims(specs) as sims:
+        for sim in sims:
+            pin(sim.pid, LOAD_CPUS)
+        config = gateway_config({name: sim.url for (name, _), sim in zip(POOLS, sims)})
+        gateways = {
+            "new": GatewayProc(config, cpus=GATEWAY_CPUS),
+            "reference": GatewayProc(config, serve_module=("loadtests.bench_classify_http", "--serve-reference"),
+                                     cpus=GATEWAY_CPUS),
+        }
+        try:
+            for gw in gateways.values():
+                wait_gateway_sees(gw.url, len(sims))
+            conns = {name: http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120)
+                     for name, gw in gateways.items()}
+            warm = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4}
+            for name in gateways:
+                send(conns[name], orjson.dumps(warm))
+            for size in sizes:
+                cpu: dict[str, list[float]] = {name: [] for name in gateways}
+                chosen: dict[str, set[str]] = {name: set() for name in gateways}
+                statuses: set[int] = set()
+                tokens: list[int] = []
+                tokenize = {"new": 0, "reference": 0}
+                for k in range(rounds * requests):
+                    body = {**agent_chat(corpus, size, rng), "max_tokens": 16}
+                    payload = orjson.dumps(body)
+                    if k < requests:
+                        tokens.append(classify(body, "chat", exact_cfg, TokenCounter(exact_cfg)).prompt_tokens)
+                        tokenize["new"] += asks_tokenize(body, TokenCounter(cfg), cfg, pools)
+                        tokenize["reference"] += asks_tokenize(body, ReferenceTokenCounter(cfg), cfg, pools)
+                    order = list(gateways) if k % 2 == 0 else list(reversed(gateways))
+                    for name in order:
+                        pid = gateways[name].pid
+                        before = gateway_cpu(pid)
+                        status, pool = send(conns[name], payload)
+                        time.sleep(SETTLE_S)
+                        cpu[name].append(gateway_cpu(pid) - before)
+                        statuses.add(status)
+                        chosen[name].add(pool)
+                for name in gateways:
+                    values = cpu[name]
+                    rows.append({
+                        "target": size, "gateway": name, "tokens": int(statistics.median(tokens)),
+                        "bytes": len(payload), "requests": len(values),
+                        "p50_ms": statistics.median(values) * 1e3, "max_ms": max(values) * 1e3,
+                        "pools": ",".join(sorted(chosen[name])), "statuses": ",".join(map(str, sorted(statuses))),
+                        "tokenize": f"{tokenize[name]}/{requests}",
+                    })
+        finally:
+            for gw in gateways.values():
+                gw.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--serve-reference":
+        return serve_reference(argv[1], int(argv[2]))
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_classify --long",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="32000,900000", help="agent_chat target sizes in tokens")
+    parser.add_argument("--requests", type=int, default=6, help="distinct chats per size and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    rows = run([int(s) for s in args.sizes.split(",")], args.requests, args.rounds, args.seed)
+    print("gateway CPU per cold streamed chat (max_tokens 16) over HTTP, all threads (schedstat); same chats to both")
+    print("gateways; /tokenize = chats for which the gateway asks a replica's exact count first")
+    print(f"{'target':>9} {'tokens':>9} {'body MB':>8} {'gateway':>9} {'n':>4} {'p50 ms':>8} {'max ms':>8} "
+          f"{'/tokenize':>9}  pool (status)")
+    for r in rows:
+        print(f"{r['target']:>9,} {r['tokens']:>9,} {r['bytes'] / 1e6:>8.2f} {r['gateway']:>9} {r['requests']:>4} "
+              f"{r['p50_ms']:>8.2f} {r['max_ms']:>8.2f} {r['tokenize']:>9}  {r['pools']} ({r['statuses']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
