@@ -21,8 +21,8 @@ import statistics
 import sys
 import sysconfig
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import tiktoken
