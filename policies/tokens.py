@@ -5,7 +5,7 @@ Choosing a pool needs the prompt's size before any replica sees it. tiktoken cos
 pool decision needs only a few percent of accuracy: near a pool's limit the gateway asks a replica's `/tokenize`
 anyway, over a band widened by the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
 texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windows` evenly spaced windows of
-`window_chars` characters (~16K characters tokenized in all, ~2 ms, whatever the length):
+`window_chars` characters (~12K characters tokenized in all, in one call: ~1-1.5 ms whatever the length):
 
 - each window is tokenized with `WINDOW_MARGIN_CHARS` of context on both sides, and only the tokens that *start*
   inside it are counted, so a cut through a word, a CJK clause or a base64 run neither adds nor loses a token (the
@@ -13,10 +13,10 @@ texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windo
 - tokens per UTF-8 byte, not per character, are scaled to the whole text: a CJK character is ~1 token but 3 bytes,
   an ASCII one ~0.25 token and 1 byte, so the ratio varies far less between kinds of text (the byte total is exact
   for ASCII pieces, an O(1) check, and probed for the others);
-- the error bound is `ERROR_SIGMAS` standard errors of that ratio between the windows (at least `MIN_ERROR`): small
-  for uniform text, larger for a transcript that alternates code, prose, JSON, CJK and base64 in short runs. Measured
-  on the bench's agent chats (`python -m loadtests.bench_classify`): within ~2% of the exact count, and always within
-  the bound it states.
+- the error bound is `ERROR_SIGMAS` standard errors of that ratio between the windows (at least `MIN_ERROR`): ~2% for
+  uniform CJK or base64, ~6% for prose or for a transcript that alternates code, prose, JSON, CJK and base64. Measured
+  on the bench's agent chats (`python -m loadtests.bench_classify`): within ~2.5% of the exact count (~1.2% rms),
+  and within the bound it states in every case tried.
 
 Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
 caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
@@ -46,10 +46,13 @@ _DOWNLOADED_ENCODINGS = frozenset({"gpt2", "r50k_base", "p50k_base", "p50k_edit"
 # characters, cost up to ~15 ms per cold request).
 EXACT_BELOW_CHARS = 16_384
 # The estimate: SAMPLE_WINDOWS windows of WINDOW_CHARS characters, each tokenized with WINDOW_MARGIN_CHARS of
-# context on both sides, ~16K characters in all (chosen by measurement: fewer, longer windows miss transcripts that
-# alternate kinds of text message by message by up to 5%; more, shorter ones cost more per window than they gain;
-# windows counted without their context overestimate by ~5%).
-SAMPLE_WINDOWS = 256
+# context on both sides, ~12K characters in all, ~1.5 ms with the tokenizer's tables cold (just after a multi-MB
+# body was parsed). Chosen by measurement on the bench's chats and mixes of prose, code, JSON, CJK and base64: the
+# error is ~1.2% rms, the stated bound ~6%; 256 windows state ~5% for ~0.5 ms more, which a 1M-token chat cannot
+# afford within 3 ms; fewer, longer windows err more on transcripts whose kind of text changes message by message;
+# margins under 8 characters miscount long words cut by a window, and windows counted without margins overestimate
+# by ~5%.
+SAMPLE_WINDOWS = 192
 WINDOW_CHARS = 48
 WINDOW_MARGIN_CHARS = 8
 # The stated error bound of an estimate: ERROR_SIGMAS standard errors of the windows' tokens-per-byte ratio (its
@@ -211,31 +214,24 @@ class TokenCounter:
         half = width // 2
         separator = len(_SEPARATOR)
         positions = [int((i + 0.5) * step) for i in range(n)]
+        indices = list(map(functools.partial(bisect.bisect_right, ends), positions))
+        # Where each window starts in its piece, clamped to the piece (a piece up to `width` long is taken whole).
+        starts = [pos - ends[index] + len(pieces[index]) - half for pos, index in zip(positions, indices)]
         segments: list[str] = []  # each window with its margins, tokenized together in one call (see below)
         lows: list[int] = []  # per window: its first counted byte in the joined text, and the byte after its last
         highs: list[int] = []
         at = separator  # bytes of the joined text so far: it starts with a separator too, so no window starts at 0
-        for pos, index in zip(positions, map(functools.partial(bisect.bisect_right, ends), positions)):
+        for start, index in zip(starts, indices):
             piece = pieces[index]
-            size = len(piece)
-            if size <= width:  # a short piece: counted whole (a window hits it only once: step > width here)
-                segments.append(piece)
-                lows.append(at)
-                at += len(piece) if piece.isascii() else _utf8_len(piece)
-                highs.append(at)
-                at += separator
-                continue
-            start = pos - ends[index] + size - half
-            if start < 0:
-                start = 0
-            elif start > size - width:
-                start = size - width
+            if start < 0 or start > len(piece) - width:
+                start = 0 if start < 0 or len(piece) <= width else len(piece) - width
             left = start - margin if start > margin else 0
             segment = piece[left:start + width + margin]
             segments.append(segment)
             if segment.isascii():
-                lows.append(at + start - left)
-                highs.append(at + start - left + width)
+                low = at + start - left
+                lows.append(low)
+                highs.append(low + min(width, len(piece)))
                 at += len(segment) + separator
             else:
                 low = at + _utf8_len(piece[left:start])
@@ -260,15 +256,17 @@ class TokenCounter:
             return 0, MIN_ERROR
         ratio = sampled_tokens / sampled_bytes
         tokens_total = math.ceil(ratio * _total_utf8_len(pieces, total_chars))
-        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes)
+        fraction = min(1.0, n * width / total_chars)
+        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes, fraction)
 
 
-def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int) -> float:
-    """ERROR_SIGMAS relative standard errors of a ratio estimate Σcounts/Σsizes (floored at MIN_ERROR)."""
+def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int, fraction: float) -> float:
+    """ERROR_SIGMAS relative standard errors of a ratio estimate Σcounts/Σsizes (floored at MIN_ERROR), `fraction`
+    being the share of the text the windows cover (what is sampled is known: a 20% sample errs ~10% less)."""
     n = len(counts)
     if n < 2:
         return max(MIN_ERROR, 1.0)
-    spread = sum((c - ratio * s) ** 2 for c, s in zip(counts, sizes)) / (n - 1)
+    spread = sum((c - ratio * s) ** 2 for c, s in zip(counts, sizes)) / (n - 1) * max(0.0, 1.0 - fraction)
     relative = math.sqrt(spread / n) * n / sampled_bytes / ratio
     return max(MIN_ERROR, ERROR_SIGMAS * relative)
 
