@@ -309,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     print("same history again);")
     print("new = policies.tokens, reference = the previous counter (loadtests/classify_reference.py), interleaved;")
     print("exact = the same classification with every text fully tokenized; error = estimate vs exact, worst request;")
-    print("bound = the largest error bound stated (pool choice widens its band by it); pool = chosen from the exact")
-    print("count; same = chose it too or asked /tokenize; /tok = asked a replica's /tokenize (exact count's in brackets)")
+    print("bound = the largest error bound stated (pool choice combines it with its band); pool = chosen from the exact")
+    print("count; same = chose it too or asked /tokenize; /tok = asked a replica's /tokenize (the exact count's in")
+    print("brackets)")
     print(f"{'target':>9} {'tokens':>9} {'msgs':>5} {'counter':>9} {'p50 ms':>8} {'p99 ms':>8} {'warm p50':>9} "
           f"{'exact ms':>9} {'error':>7} {'bound':>6} {'sampled':>7}  {'pool':<12} {'same':>5} {'/tok':>9}")
     for r in rows:

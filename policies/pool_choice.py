@@ -5,8 +5,9 @@ request goes to the smallest pool that can hold its prompt (plus a safety margin
 budget. When that pool is saturated it may spill to larger ones, never to smaller ones (they cannot hold it).
 
 Near a limit the estimate is not good enough to decide: when the prompt estimate moved by ±`boundary_band` (combined
-with the estimate's own error bound when it was sampled, `RequestProfile.estimate_error`) would land on the other side of the chosen pool's limit (or of the next smaller pool's), `needs_exact_count` asks the gateway for
-the model's own count (a replica's /tokenize); it then calls `choose_pool` again with `with_exact_prompt_tokens`.
+with the estimate's own error bound when it was sampled, `RequestProfile.estimate_error`) would land on the other side
+of the chosen pool's limit (or of the next smaller pool's), `needs_exact_count` asks the gateway for the model's own
+count (a replica's /tokenize); it then calls `choose_pool` again with `with_exact_prompt_tokens`.
 Only the prompt is uncertain, so a small prompt with a large max_tokens is never recounted. A request just over the
 largest pool is likewise recounted ("near_limit") before it is refused.
 """

@@ -3,7 +3,7 @@
 Choosing a pool needs the prompt's size before any replica sees it. tiktoken costs ~0.07 µs per character here
 (~0.12 for CJK), so a 28K-token chat (~80K characters) takes ~6 ms to count exactly and a 1M-token one ~0.4 s, while a
 pool decision needs only a few percent of accuracy: near a pool's limit the gateway asks a replica's `/tokenize`
-anyway, over a band widened by the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
+anyway, over a band that takes in the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
 texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windows` evenly spaced windows of
 `window_chars` characters (~12K characters tokenized in all, in one call: ~1-1.5 ms whatever the length):
 
@@ -12,11 +12,14 @@ texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windo
   count per window is unbiased, unlike counting the cut window's own tokens, which overestimates by ~5% at 64 chars);
 - tokens per UTF-8 byte, not per character, are scaled to the whole text: a CJK character is ~1 token but 3 bytes,
   an ASCII one ~0.25 token and 1 byte, so the ratio varies far less between kinds of text (the byte total is exact
-  for ASCII pieces, an O(1) check, and probed for the others);
+  for ASCII pieces, an O(1) check, and sampled for the others);
 - the error bound is `ERROR_SIGMAS` standard errors of that ratio (at least `MIN_ERROR`): ~1.5-2.5% for uniform CJK,
-  base64 or JSON, ~5% for prose, code or a transcript that alternates code, prose, JSON, CJK and base64. Measured on
-  the bench's agent chats and such mixes: ~1.2% rms error, ~3% at worst, and within the stated bound in every case
+  base64 or JSON, 4-7% for prose, code or a transcript that alternates code, prose, JSON, CJK and base64. Measured
+  on the bench's agent chats and such mixes: ~1.2% rms error, ~3% at worst, and within the stated bound in every case
   tried (the worst at 85% of it).
+
+The sampled path caches nothing (it counts no piece whole): a conversation first seen already long is estimated again
+at each turn (~1.5 ms), while one that grew past EXACT_BELOW_CHARS turn by turn stays exact from the cache.
 
 Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
 caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
@@ -48,7 +51,7 @@ EXACT_BELOW_CHARS = 16_384
 # The estimate: SAMPLE_WINDOWS windows of WINDOW_CHARS characters, each tokenized with WINDOW_MARGIN_CHARS of
 # context on both sides, ~12K characters in all, ~1.5 ms with the tokenizer's tables cold (just after a multi-MB
 # body was parsed). Chosen by measurement on the bench's chats and mixes of prose, code, JSON, CJK and base64: the
-# error is ~1.2% rms, the stated bound ~6%; 256 windows state ~5% for ~0.5 ms more, which a 1M-token chat cannot
+# error is ~1.2% rms, the stated bound 4-7%; 256 windows state ~15% less for ~0.5 ms more, which a 1M-token chat cannot
 # afford within 3 ms; fewer, longer windows err more on transcripts whose kind of text changes message by message;
 # margins under 8 characters miscount long words cut by a window, and windows counted without margins overestimate
 # by ~5%.
@@ -279,12 +282,21 @@ def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_byte
 
 @functools.lru_cache(maxsize=8)
 def _token_byte_lengths(encoding: tiktoken.Encoding) -> list[int]:
-    """Bytes of each token id of `encoding` (0 for ids it does not use); built once per encoding (~10 ms)."""
+    """Bytes of each token id of `encoding` (0 for ids it does not use); built once per encoding (~10 ms from its
+    rank table, ~0.1 s token by token if a tiktoken version hides that table)."""
     lengths = [0] * encoding.n_vocab
-    for token_bytes, rank in encoding._mergeable_ranks.items():
-        lengths[rank] = len(token_bytes)
-    for text, rank in encoding._special_tokens.items():
-        lengths[rank] = len(text.encode())
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    if isinstance(ranks, dict):
+        for token_bytes, rank in ranks.items():
+            lengths[rank] = len(token_bytes)
+        for text, rank in getattr(encoding, "_special_tokens", {}).items():
+            lengths[rank] = len(text.encode())
+        return lengths
+    for rank in range(encoding.n_vocab):
+        try:
+            lengths[rank] = len(encoding.decode_single_token_bytes(rank))
+        except KeyError:  # an unused id
+            pass
     return lengths
 
 
