@@ -62,8 +62,9 @@ WINDOW_MARGIN_CHARS = 8
 # (estimated from neighbouring windows' differences, see _ratio_error), never under MIN_ERROR (what the byte total's
 # own sampling and the windows' cuts can still add: up to ~0.7% on indented JSON).
 ERROR_SIGMAS = 3.0
-_SEPARATOR = "\n\n"
 MIN_ERROR = 0.015
+# Between the windows tokenized together: any piece's first character starts a token after it, as it does alone.
+_SEPARATOR = "\n\n"
 
 # Repeated pieces (system prompts, tool schemas, earlier turns of a growing conversation) are counted once. Longer
 # pieces are rarely repeated whole. The cache holds at most CACHE_TOTAL_CHARS characters of keys (8-32 MB), least
