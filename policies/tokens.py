@@ -15,7 +15,7 @@ texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windo
   for ASCII pieces, an O(1) check, and sampled for the others);
 - the error bound is `ERROR_SIGMAS` standard errors of that ratio (at least `MIN_ERROR`): ~1.5-2.5% for uniform CJK,
   base64 or JSON, 4-7% for prose, code or a transcript that alternates code, prose, JSON, CJK and base64. Measured
-  on the bench's agent chats and such mixes: ~1.2% rms error, ~3% at worst, and within the stated bound in every case
+  on the bench's agent chats and such mixes: ~1.2% rms error, ~4% at worst, and within the stated bound in every case
   tried (the worst at 85% of it).
 
 The sampled path caches nothing (it counts no piece whole): a conversation first seen already long is estimated again
