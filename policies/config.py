@@ -206,7 +206,8 @@ class ClassificationConfig(_Strict):
     image_tokens_max: int = Field(default=16384, gt=0)
     video_tokens_default: int = Field(default=8192, gt=0)
     full_count_below_chars: int = Field(
-        default=200_000, gt=0, description="Texts longer than this are estimated from samples, not fully tokenized."
+        default=16_384, gt=0, description="Texts this long or longer are estimated from evenly spaced samples "
+        "(with a stated error bound), not fully tokenized; near a pool's limit the pool's /tokenize counts exactly."
     )
 
 
