@@ -32,7 +32,9 @@ TIMEOUT = httpx.Timeout(300.0, connect=10.0)  # decode steps take seconds each o
 def pd_pair() -> Iterator[PdPair]:
     if vllm_skipped():
         pytest.skip(f"{SKIP_ENV}=1")
-    pair = start_pd_pair(2048)
+    # A 120 s lease instead of 30: on two cores shared with other servers a decode request can wait longer than 30 s
+    # before its first heartbeat, and the prefill side would free (but, idle, not reuse) the blocks meanwhile.
+    pair = start_pd_pair(2048, extra_config={"kv_lease_duration": 120})
     try:
         yield pair
     finally:
@@ -166,3 +168,19 @@ def test_streamed_chat_decode(pd_pair: PdPair, client: httpx.Client) -> None:
     assert delta(after, before, "vllm:nixl_xfer_time_seconds_count") == 1
     assert delta(after, before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == (
         usage["prompt_tokens"])
+
+
+def test_decode_for_a_restarted_prefill_server_fails(pd_pair: PdPair, client: httpx.Client) -> None:
+    """`remote_engine_id` no longer the prefill server's (it restarted): the handshake answers with another engine id
+    and, with kv_load_failure_policy `fail`, the request ends with finish_reason `error`: a bare 500."""
+    body = {"model": MODEL, "prompt": token_prompt(4, 300), "max_tokens": 2, "temperature": 0}
+    params = prefill(client, pd_pair, body)["kv_transfer_params"]
+    stale = {**params, "remote_engine_id": "00000000-0000-4000-8000-000000000000"}
+    before = metrics(client, pd_pair.decode.url)
+    resp = client.post(pd_pair.decode.url + "/v1/completions", json=decode_body(body, {"kv_transfer_params": stale}))
+    after = metrics(client, pd_pair.decode.url)
+    assert resp.status_code == 500
+    assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                                     "code": 500}}
+    assert delta(after, before, "vllm:nixl_num_failed_transfers_total") >= 1
+    assert delta(after, before, "vllm:request_success_total", finished_reason="error") == 1
