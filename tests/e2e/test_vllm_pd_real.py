@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pools.vllm_local.pd import PdPair, decode_body, prefill_body, start_pd_pair
 from tests.vllm_fixtures import SKIP_ENV, vllm_skipped
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_pd]
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 BLOCK_SIZE = 128
