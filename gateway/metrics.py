@@ -58,6 +58,7 @@ ROUTING_REASONS = frozenset({
     "round_robin", "least_loaded", "session", "affinity_hit", "load_spill", "cold_rendezvous", "all_saturated",
     "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
     "overlength_retry",  # a replica refused the prompt as too long; retried in a larger pool
+    "disaggregated",  # prefilled on a prefill replica, decoded on a decode replica (gateway/disagg.py)
 })
 
 
@@ -557,17 +558,17 @@ def scrape_targets(pools: Mapping[str, PoolRuntime]) -> list[dict[str, Any]]:
     """Prometheus http_sd groups: one per replica, labelled with its pool and endpoint URL."""
     groups = []
     for name, pool in pools.items():
-        for url in pool.replicas:
+        for url, replica in pool.replicas.items():
             parts = urlsplit(url)
-            groups.append({
-                "targets": [parts.netloc],
-                "labels": {
-                    "pool": name,
-                    "endpoint": url,
-                    "__scheme__": parts.scheme or "http",
-                    "__metrics_path__": parts.path.rstrip("/") + "/metrics",
-                },
-            })
+            labels = {
+                "pool": name,
+                "endpoint": url,
+                "__scheme__": parts.scheme or "http",
+                "__metrics_path__": parts.path.rstrip("/") + "/metrics",
+            }
+            if replica.role != "both":  # a disaggregated pool's prefill / decode replica
+                labels["role"] = replica.role
+            groups.append({"targets": [parts.netloc], "labels": labels})
     return groups
 
 

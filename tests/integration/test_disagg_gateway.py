@@ -1,0 +1,250 @@
+"""A disaggregated pool end to end: the OpenAI SDK through the gateway to simulated prefill and decode replicas that
+speak vLLM 0.32's NIXL protocol (pools/sim/disagg.py). Chat, completions, streaming, tools and reasoning; the
+decider; prefill, decode and transfer failures; in-flight counts and admission tickets back to zero; metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.launcher import GatewayProcess, start_gateway
+from pools.sim.launcher import SimProcess, start_sim
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+MIN_UNCACHED = 1024
+CLEAR = dict(error_rate=0.0, hang=False, added_latency_ms=0, unhealthy=False, refuse_connections=False)
+
+
+def sim(role: str) -> SimProcess:
+    return start_sim(65536, extra_args=["--role", role, "--speed", "20", "--seed", "5"])
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[dict[str, list[SimProcess]]]:
+    started: list[SimProcess] = []
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            started.append(sim(role))
+        yield {"prefill": started[:2], "decode": started[2:]}
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(replicas: dict[str, list[SimProcess]]) -> Iterator[GatewayProcess]:
+    gw = start_gateway({
+        "model": MODEL,
+        "pools": [{
+            "name": "extended", "max_model_len": 65536,
+            "disaggregation": {
+                "prefill": {"endpoints": [s.url for s in replicas["prefill"]]},
+                "decode": {"endpoints": [s.url for s in replicas["decode"]]},
+                "min_uncached_tokens": MIN_UNCACHED, "transfer_timeout_s": 1.5,
+            },
+        }],
+        "server": {"health_interval_s": 0.3, "upstream_read_timeout_s": 5},
+        "classification": {"output_budget": {"adaptive": 256, "enabled": 512, "disabled": 128}},
+    })
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(autouse=True)
+def healthy(replicas: dict[str, list[SimProcess]], gateway: GatewayProcess) -> Iterator[None]:
+    every = [*replicas["prefill"], *replicas["decode"]]
+    for s in every:
+        s.set_faults(**CLEAR)
+    # ejections from an earlier test must not decide this one: wait until every replica is available again
+    deadline = time.monotonic() + 35
+    while time.monotonic() < deadline:
+        pools = admin_pools(gateway)
+        if all(r["available"] for r in pools["extended"]["replicas"].values()):
+            break
+        time.sleep(0.2)
+    yield
+    for s in every:
+        s.set_faults(**CLEAR)
+
+
+def admin_pools(gateway: GatewayProcess) -> dict[str, Any]:
+    return httpx.get(gateway.url + "/admin/pools", timeout=5).json()["pools"]
+
+
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def long_text(tag: str, words: int = 3000) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+def held_total(sims: list[SimProcess]) -> int:
+    return sum(s.stats()["kv_transfer"]["held_total"] for s in sims)
+
+
+def pulls(sims: list[SimProcess]) -> int:
+    return sum(s.stats()["kv_transfer"]["pulls"] for s in sims)
+
+
+def settled(gateway: GatewayProcess) -> None:
+    """Every in-flight count is back to zero (guards released exactly once on every path)."""
+    deadline = time.monotonic() + 5
+    while True:
+        replicas = admin_pools(gateway)["extended"]["replicas"]
+        loads = {url: (r["in_flight"], r["in_flight_tokens"]) for url, r in replicas.items()}
+        if all(v == (0, 0) for v in loads.values()):
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.1)
+    gates = httpx.get(gateway.url + "/admin/traffic", timeout=5).json()["pools"]
+    assert all(c["in_flight"] == 0 and c["queued"] == 0 for g in gates.values() for c in g["classes"].values()), gates
+
+
+def test_config_puts_roles_on_replicas(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    pools = admin_pools(gateway)["extended"]["replicas"]
+    assert {pools[s.url]["role"] for s in replicas["prefill"]} == {"prefill"}
+    assert {pools[s.url]["role"] for s in replicas["decode"]} == {"decode"}
+    targets = httpx.get(gateway.url + "/metrics/targets", timeout=5).json()
+    assert sorted(t["labels"]["role"] for t in targets) == ["decode", "decode", "prefill", "prefill"]
+
+
+def test_long_chat_is_prefilled_then_decoded(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    held, pulled = held_total(replicas["prefill"]), pulls(replicas["decode"])
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": long_text("a")}], max_tokens=12)
+    answer = raw.parse()
+    assert raw.headers["x-m3gate-endpoint"] in {s.url for s in replicas["decode"]}
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.prompt_tokens > MIN_UNCACHED
+    assert answer.usage.completion_tokens == 12
+    assert held_total(replicas["prefill"]) == held + 1 and pulls(replicas["decode"]) == pulled + 1
+    settled(gateway)
+
+
+def test_streamed_chat_with_reasoning_and_tools(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    held = held_total(replicas["prefill"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    stream = client(gateway).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": long_text("b") + " what is the weather in Paris?"}],
+        tools=tools, stream=True, stream_options={"include_usage": True}, max_tokens=200,
+        extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
+    reasoning = content = ""
+    calls: list[Any] = []
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None) or ""
+            content += delta.content or ""
+            calls.extend(delta.tool_calls or [])
+    assert reasoning, "reasoning deltas reach the client"
+    assert calls or content
+    assert usage is not None and usage.prompt_tokens > MIN_UNCACHED
+    assert held_total(replicas["prefill"]) == held + 1
+    settled(gateway)
+
+
+def test_completions_streamed_and_not(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    c = client(gateway)
+    held = held_total(replicas["prefill"])
+    plain = c.completions.create(model=MODEL, prompt=long_text("c"), max_tokens=8)
+    assert plain.usage is not None and plain.usage.completion_tokens == 8
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=long_text("d"), max_tokens=8, stream=True) if ch.choices)
+    assert text
+    assert held_total(replicas["prefill"]) == held + 2
+    settled(gateway)
+
+
+def test_cached_tokens_come_from_the_prefill_side(gateway: GatewayProcess) -> None:
+    c = client(gateway)
+    messages = [{"role": "user", "content": long_text("e")}]
+    c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    again = c.chat.completions.create(model=MODEL, messages=[*messages, {"role": "assistant", "content": "ok"},
+                                                             {"role": "user", "content": long_text("f", 1500)}],
+                                      max_tokens=4)
+    details = again.usage.prompt_tokens_details if again.usage else None
+    assert details is not None and (details.cached_tokens or 0) > 0  # the prefill replica's prefix hits
+
+
+def test_short_prompt_goes_straight_to_decode(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    held = held_total(replicas["prefill"])
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4)
+    assert raw.headers["x-m3gate-endpoint"] in {s.url for s in replicas["decode"]}
+    assert held_total(replicas["prefill"]) == held
+    metrics = httpx.get(gateway.url + "/metrics", timeout=5).text
+    assert 'm3gate_pd_decisions_total{path="decode_short",pool="extended"}' in metrics
+    assert 'm3gate_pd_decisions_total{path="disaggregated",pool="extended"}' in metrics
+    assert "m3gate_pd_prefill_seconds_bucket" in metrics and "m3gate_pd_decode_seconds_bucket" in metrics
+    assert "m3gate_pd_transfer_seconds_bucket" in metrics
+
+
+def test_a_failing_prefill_replica_is_retried_on_another(
+    gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
+) -> None:
+    bad, good = replicas["prefill"]
+    bad.set_faults(error_rate=1.0)
+    held = good.stats()["kv_transfer"]["held_total"]
+    for i in range(3):
+        answer = client(gateway).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text(f"g{i}")}], max_tokens=4)
+        assert answer.choices[0].message.content
+    assert good.stats()["kv_transfer"]["held_total"] == held + 3
+    settled(gateway)
+
+
+def test_no_prefill_replica_left_means_decode_prefills(
+    gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
+) -> None:
+    for s in replicas["prefill"]:
+        s.set_faults(error_rate=1.0)
+    pulled = pulls(replicas["decode"])
+    answer = client(gateway).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": long_text("h")}], max_tokens=4)
+    assert answer.choices[0].message.content
+    assert pulls(replicas["decode"]) == pulled
+    settled(gateway)
+
+
+def test_decode_failure_retries_decode_elsewhere_and_prefills_again(
+    gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
+) -> None:
+    bad, good = replicas["decode"]
+    bad.set_faults(error_rate=1.0)
+    for stream in (False, True):
+        held = held_total(replicas["prefill"])
+        raw = client(gateway).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text(f"i{stream}")}], max_tokens=4,
+            stream=stream)
+        assert raw.headers["x-m3gate-endpoint"] == good.url
+        if stream:
+            assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        # when the first decode replica answered, the blocks may be gone: prefilled again
+        assert held_total(replicas["prefill"]) in (held + 1, held + 2)
+    settled(gateway)
+
+
+def test_a_transfer_that_never_completes_times_out(
+    gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
+) -> None:
+    for s in replicas["decode"]:
+        s.set_faults(added_latency_ms=4000)
+    r = httpx.post(gateway.base_url + "/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": long_text("k")}], "max_tokens": 4, "stream": True})
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "kv_transfer_timeout"
+    assert "did not complete within 1.5 s" in r.json()["error"]["message"]
+    settled(gateway)
