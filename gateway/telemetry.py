@@ -28,7 +28,7 @@ Span tree of one request:
            └─ m3gate.decode                      first → last token's event (output tokens, TPOT; streams)
 
 A disaggregated request (gateway/disagg.py) has one CLIENT span per side, `m3gate.pd.role` prefill / decode: the
-prefill call ("m3gate.pd.prefill POST …", sent → its answer), then the decode call, whose first child is
+prefill call (sent → its answer), then the decode call, whose first child is
 `m3gate.kv_transfer` (sent → first token: the KV pull and one step) instead of `m3gate.prefill`.
 
 A reload that changes `telemetry` swaps the trace pipeline (`Telemetry.apply_config`): requests sampled by the old one
@@ -543,7 +543,7 @@ class Tracing:
                 attempt_attrs["m3gate.pd.role"] = role
             if role == "prefill" and i < last and attempts[i + 1][4] == "decode":  # prefilled: the KV went on
                 start_ns = offset + int(started * 1e9)
-                out.append(Span("m3gate.pd.prefill " + path, context, server, CLIENT, start_ns,
+                out.append(Span(name, context, server, CLIENT, start_ns,
                                 max(start_ns, offset + int(attempts[i + 1][1] * 1e9)), attempt_attrs))
                 continue
             if i < last:  # failed before its first byte, then retried elsewhere
