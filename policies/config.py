@@ -138,6 +138,9 @@ class RoleReplicasConfig(_Strict):
 
     endpoints: list[str] = Field(default_factory=list, description="Replica base URLs of this role.")
     discovery: DnsDiscovery | None = Field(default=None, description="Replicas of this role from DNS.")
+    launch: LaunchSpec | None = Field(
+        default=None, description="How this role's replicas are started; unset: the pool's `launch:`.",
+    )
 
     @field_validator("endpoints")
     @classmethod
@@ -238,6 +241,10 @@ class PoolConfig(_Strict):
     def _launch_fits_pool(self) -> PoolConfig:
         if self.launch is not None:
             self.launch.check_pool(self)  # LaunchError is a ValueError: reported at the pool's line
+        if self.disaggregation is not None:
+            for side in (self.disaggregation.prefill, self.disaggregation.decode):
+                if side.launch is not None:
+                    side.launch.check_pool(self)
         return self
 
 
