@@ -41,8 +41,7 @@ MODEL = "MiniMaxAI/MiniMax-M3"
 MAX_MODEL_LEN = 131072
 SLO = {"interactive": (1.0, 0.050), "long": (30.0, 0.100)}  # (TTFT s, TPOT s)
 TARGETS = {"itl_p99": 0.5, "tpot_p95": 0.5, "ttft_p95": 1.2}
-VOCAB = [w for w in "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega vector matrix tensor kernel "
-         "buffer socket thread module render parse yield await signal commit branch merge rebase".split()]
+VOCAB = [w for w in ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "vector", "matrix", "tensor", "kernel", "buffer", "socket", "thread", "module", "render", "parse", "yield", "await", "signal", "commit", "branch", "merge", "rebase"]]
 
 
 @dataclass
@@ -103,7 +102,7 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], ki
                     chunks.append(time.monotonic())
                 elif line.startswith(b"data: [DONE]"):
                     sample.ok = True
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return sample
     if chunks:
         sample.ttft = chunks[0] - t0
@@ -204,7 +203,7 @@ def run_config(sims: dict[str, list[SimProcess]], threshold: int | None, trace: 
 
 
 def _decisions(url: str) -> dict[str, float]:
-    import httpx  # noqa: PLC0415 - only here
+    import httpx
 
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():

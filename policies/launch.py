@@ -278,6 +278,8 @@ def _render_role(pool: PoolLike, model: str, role: str, spec: LaunchSpec | None)
     argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(role, d.connector, d.kv_lease_s),
                                                 separators=(",", ":"))]
     env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(NIXL_SIDE_CHANNEL_PORT))
+    if "OTEL_SERVICE_NAME" in env and "OTEL_SERVICE_NAME" not in spec.extra_env:
+        env["OTEL_SERVICE_NAME"] = f"vllm-{pool.name}-{role}"  # the two sides' spans apart in the trace
     return [
         ServeCommand(
             pool=pool.name, replica=i, image=spec.resolved_image, gpus=spec.gpus_per_replica,
