@@ -184,6 +184,7 @@ class Disaggregation:
             guard = replica.guard(routing.prompt_tokens + 1)
             sent = gw.clock()
             record.t_sent = sent
+            record.extra.setdefault("pd_first_sent", sent)  # the gateway's overhead ends at the first call
             self.prefill_policy(pool.name).dispatched(routing, replica.url, sent)
             gw.shared.on_dispatch(pool.name, replica.url, routing)
             try:
@@ -268,11 +269,17 @@ class Disaggregation:
                 async with asyncio.timeout(cfg.transfer_timeout_s if record.stream else None):
                     outcome = await relay.send(attempt, record.attempts, pool, replica, "disaggregated", routing,
                                                retry_left=not last, watch=watch)
-                    if _is_stream(outcome) and not await _first_token_ok(outcome):
-                        outcome.upstream.close()
-                        outcome.guard.release()
-                        outcome = UpstreamFailure(502, f"decode replica {replica.url} could not load the KV blocks "
-                                                  f"prefilled on {prefilled.replica.url}", "kv_transfer_failed")
+                    if _is_stream(outcome):
+                        try:
+                            ok = await _first_token_ok(outcome)
+                        except BaseException:  # timed out or cancelled while reading: the stream is not handed on
+                            _drop(outcome)
+                            raise
+                        if not ok:
+                            _drop(outcome)
+                            outcome = UpstreamFailure(502, f"decode replica {replica.url} could not load the KV "
+                                                      f"blocks prefilled on {prefilled.replica.url}",
+                                                      "kv_transfer_failed")
             except TimeoutError:
                 raise UpstreamFailure(
                     504, f"KV transfer from prefill replica {prefilled.replica.url} to decode replica {replica.url} "
@@ -358,6 +365,12 @@ def _json(raw: bytes) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
+
+
+def _drop(relay: Any) -> None:
+    """A decode stream not handed to the client: closed (vLLM aborts) and its in-flight count released."""
+    relay.upstream.close()
+    relay.guard.release()
 
 
 def _is_stream(outcome: Any) -> bool:

@@ -343,8 +343,8 @@ class RequestMetrics:
         self.routing.inc((pool, routing_reason(record)))
         series.e2e.observe((record.t_last_byte or now) - record.t_arrival)
         series.queue.observe(max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0)
-        if not record.retried:  # a retried request's t_sent is its last attempt's
-            series.overhead.observe(gateway_overhead_s(record, record.t_sent))
+        if not record.retried:  # a retried request's t_sent is its last attempt's (a disaggregated one's: decode's)
+            series.overhead.observe(gateway_overhead_s(record, record.extra.get("pd_first_sent") or record.t_sent))
         self.estimated_tokens.inc(by_class, record.prompt_tokens_est)
         if record.matched_blocks:
             runtime = self._gateway.pools.get(pool)

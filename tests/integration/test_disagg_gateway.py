@@ -253,3 +253,21 @@ def test_a_transfer_that_never_completes_times_out(
     assert r.json()["error"]["code"] == "kv_transfer_timeout"
     assert "did not complete within 1.5 s" in r.json()["error"]["message"]
     settled(gateway)
+
+
+def test_the_pd_dashboard_reads_metrics_that_exist(
+    gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
+) -> None:
+    """Every series deploy/grafana/m3gate-pd.json queries is exported, by the gateway or by the replicas (whose
+    `role` and `pool` labels come from the gateway's /metrics/targets, checked in test_config_puts_roles_...)."""
+    import json  # noqa: PLC0415
+    import re  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "m3gate-pd.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    names = {n for e in exprs for n in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", e)}
+    exported = httpx.get(gateway.url + "/metrics", timeout=5).text
+    exported += "".join(httpx.get(s.url + "/metrics", timeout=5).text for s in (*replicas["prefill"], *replicas["decode"]))
+    missing = sorted(n for n in names if not re.search(rf"^{re.escape(n)}[{{ ]", exported, re.M))
+    assert len(names) >= 9 and missing == []
