@@ -271,3 +271,45 @@ def test_the_pd_dashboard_reads_metrics_that_exist(
     exported += "".join(httpx.get(s.url + "/metrics", timeout=5).text for s in (*replicas["prefill"], *replicas["decode"]))
     missing = sorted(n for n in names if not re.search(rf"^{re.escape(n)}[{{ ]", exported, re.M))
     assert len(names) >= 9 and missing == []
+
+
+def test_classes_admission_and_rate_limits_apply(replicas: dict[str, list[SimProcess]]) -> None:
+    """A disaggregated pool is admitted like any pool: its class's concurrency (held through prefill and decode),
+    queue and a key's requests per minute."""
+    import hashlib  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    key = "sk-pd-test"
+    gw = start_gateway({
+        "model": MODEL,
+        "pools": [{"name": "extended", "max_model_len": 65536, "disaggregation": {
+            "prefill": {"endpoints": [s.url for s in replicas["prefill"]]},
+            "decode": {"endpoints": [s.url for s in replicas["decode"]]}, "min_uncached_tokens": MIN_UNCACHED}}],
+        "server": {"health_interval_s": 0.3},
+        "traffic": {"classes": {"batch": {"max_concurrency": 1, "queue_length": 0, "ttft_target_s": 60}}},
+        "access": {"keys": [{"name": "pd", "key_sha256": hashlib.sha256(key.encode()).hexdigest(),
+                             "requests_per_minute": 3}]},
+    })
+    try:
+        for s in replicas["decode"]:
+            s.set_faults(added_latency_ms=1500)  # the first request holds the class's one slot through its decode
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": long_text("m")}], "max_tokens": 4}
+        first: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=lambda: first.update(r=httpx.post(
+            gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)))
+        thread.start()
+        time.sleep(0.6)
+        refused = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_capacity", refused.text
+        thread.join(30)
+        assert first["r"].status_code == 200
+        for s in replicas["decode"]:
+            s.set_faults(added_latency_ms=0)
+        assert httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30).status_code == 200
+        limited = httpx.post(gw.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+        assert limited.status_code == 429, limited.text  # the 4th request of the minute
+        gates = httpx.get(gw.url + "/admin/traffic", timeout=5).json()["pools"]
+        assert all(c["in_flight"] == 0 for g in gates.values() for c in g["classes"].values()), gates
+    finally:
+        gw.stop()
