@@ -290,6 +290,9 @@ class Disaggregation:
                     self._observe(self.transfer_s, record, record.t_first_byte - started)
                 return outcome
             failure = outcome
+            # A decode replica's 5xx may be the prefill side's fault (vLLM fails a request whose KV it could not
+            # load): not held against it (health checks and direct requests still judge it).
+            attempt.answered_5xx.clear()
             log.warning("pool %s: decode replica %s failed before its first token (%s)", pool.name, replica.url,
                         outcome.message)
             if last:

@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from policies.snapshot import (
     NoReplicaAvailable,
     ReplicaSnapshot,
@@ -86,6 +88,10 @@ def kv_headroom(replica: ReplicaSnapshot, blocks_needed: int) -> float | None:
     return free / replica.kv_blocks
 
 
+def _rendezvous(key: int | str, url: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{key}\x00{url}".encode())
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return max(1, math.ceil(tokens / max(1, block_size)))
 
@@ -95,12 +101,14 @@ def rank_decode(
 ) -> RoutingDecision:
     """The decode replica for a disaggregated request, and the rest in order (retries). Score = load_weight ·
     (least load + 1) / (load + 1) + kv_weight · headroom after the prompt and output budget land; replicas the
-    blocks would not fit, or whose KV is saturated, come last. Equal scores: fewest tokens in flight, then url."""
+    blocks would not fit, or whose KV is saturated, come last. Equal scores: fewest tokens in flight, then rendezvous
+    hashing on the prompt's first block."""
     params = params or DecodeParams()
     usable = [r for r in replicas if r.healthy and not r.draining]
     if not usable:
         raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas), "no decode replica")
     tokens = request.prompt_tokens + request.output_budget
+    key: int | str = request.block_hashes[0] if request.block_hashes else (request.session_key or "")
     loads = {r.url: decode_load(r, params) for r in usable}
     least = min(loads.values())
     scored: list[tuple[bool, float, int, str]] = []
@@ -112,7 +120,9 @@ def rank_decode(
         kv_score = 0.5 if headroom is None else min(1.0, max(0.0, headroom))
         score = params.load_weight * (least + 1.0) / (loads[r.url] + 1.0) + params.kv_weight * kv_score
         scores[r.url] = score
-        scored.append((not fits or full, -score, r.in_flight_tokens, r.url))
+        # equal scores (idle replicas): a hash of the prompt's first block spreads requests, and keeps one
+        # conversation's turns on the replica that holds its blocks (its later, shorter turns come straight here)
+        scored.append((not fits or full, -round(score, 9), r.in_flight_tokens, -_rendezvous(key, r.url), r.url))
     ordered = [url for *_, url in sorted(scored)]
     last_resort = scored and min(scored)[0]
     return RoutingDecision(

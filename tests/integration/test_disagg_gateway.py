@@ -222,13 +222,14 @@ def test_no_prefill_replica_left_means_decode_prefills(
 def test_decode_failure_retries_decode_elsewhere_and_prefills_again(
     gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]
 ) -> None:
-    bad, good = sorted(replicas["decode"], key=lambda s: s.url)  # idle and alike, they rank by url: bad first
+    bad, good = replicas["decode"]
     bad.set_faults(error_rate=1.0)
     tried_bad = 0
-    for stream in (False, True):
+    for i in range(8):  # idle and alike, the decode replicas rank by a hash of the prompt: some go to bad first
+        stream = bool(i % 2)
         held, errors = held_total(replicas["prefill"]), bad.stats()["injected_errors"]
         raw = client(gateway).chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": long_text(f"i{stream}")}], max_tokens=4,
+            model=MODEL, messages=[{"role": "user", "content": long_text(f"i{i}")}], max_tokens=4,
             stream=stream)
         assert raw.headers["x-m3gate-endpoint"] == good.url
         if stream:
@@ -313,3 +314,39 @@ def test_classes_admission_and_rate_limits_apply(replicas: dict[str, list[SimPro
         assert all(c["in_flight"] == 0 for g in gates.values() for c in g["classes"].values()), gates
     finally:
         gw.stop()
+
+
+def test_a_kv_load_failure_is_retried_after_prefilling_again(replicas: dict[str, list[SimProcess]]) -> None:
+    """A prefill replica whose side channel cannot be reached (VLLM_NIXL_SIDE_CHANNEL_HOST pointing nowhere): the
+    decode replica cannot load the blocks and fails the request as vLLM does (a 500, or when streaming a 200 with the
+    role chunk then an error event). The gateway retries on the other decode replica after prefilling again, on the
+    other prefill replica; the client never sees the failure."""
+    broken = start_sim(65536, extra_args=["--role", "prefill", "--speed", "20"],
+                       env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.9"})
+    good = replicas["prefill"][1]
+    gw = start_gateway({
+        "model": MODEL,
+        "pools": [{"name": "extended", "max_model_len": 65536, "disaggregation": {
+            "prefill": {"endpoints": [broken.url, good.url]},
+            "decode": {"endpoints": [s.url for s in replicas["decode"]]}, "min_uncached_tokens": MIN_UNCACHED}}],
+        "server": {"health_interval_s": 0.3},
+    })
+    try:
+        failed = sum(s.stats()["kv_transfer"]["failed_pulls"] for s in replicas["decode"])
+        c = client(gw)
+        for i in range(8):
+            messages = [{"role": "user", "content": long_text(f"n{i}")}]
+            if i % 2:
+                answer = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+                assert answer.choices[0].message.content
+            else:
+                stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True)
+                assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        assert broken.stats()["kv_transfer"]["held_total"] >= 1, "the broken prefill replica was never chosen"
+        assert sum(s.stats()["kv_transfer"]["failed_pulls"] for s in replicas["decode"]) > failed
+        pools = admin_pools(gw)["extended"]["replicas"]
+        assert all(pools[s.url]["available"] for s in replicas["decode"])  # not blamed for the prefill's fault
+        assert all(r["in_flight"] == 0 for r in pools.values())
+    finally:
+        gw.stop()
+        broken.stop()

@@ -147,3 +147,11 @@ def test_a_failed_kv_load_is_told_from_a_first_token(first: bytes, rest: list[by
     assert asyncio.run(_first_token_ok(relay)) is ok
     if kept is not None:
         assert relay.first_chunk == kept  # nothing read ahead is lost: the relay sends it first
+
+
+def test_idle_decode_replicas_are_spread_by_prompt_and_stable_per_prompt() -> None:
+    replicas = [snap(u) for u in ("a", "b", "c", "d")]
+    firsts = {rank_decode(RoutingRequest(64_000, 4_000, block_hashes=(h,)), replicas).replica for h in range(40)}
+    assert len(firsts) >= 3  # not everyone on one replica
+    one = RoutingRequest(64_000, 4_000, block_hashes=(7, 8))
+    assert rank_decode(one, replicas).replica == rank_decode(one, list(reversed(replicas))).replica
