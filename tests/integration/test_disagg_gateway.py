@@ -350,3 +350,46 @@ def test_a_kv_load_failure_is_retried_after_prefilling_again(replicas: dict[str,
     finally:
         gw.stop()
         broken.stop()
+
+
+def test_draining_a_prefill_replica(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    drained, other = replicas["prefill"]
+    r = httpx.post(gateway.url + "/admin/replicas/drain", json={"endpoint": drained.url}, timeout=5)
+    assert r.status_code == 200 and r.json()["pool"] == "extended"
+    try:
+        assert admin_pools(gateway)["extended"]["replicas"][drained.url]["draining"] is True
+        held = drained.stats()["kv_transfer"]["held_total"], other.stats()["kv_transfer"]["held_total"]
+        for i in range(3):
+            client(gateway).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": long_text(f"o{i}")}], max_tokens=4)
+        assert drained.stats()["kv_transfer"]["held_total"] == held[0]
+        assert other.stats()["kv_transfer"]["held_total"] == held[1] + 3
+    finally:
+        httpx.post(gateway.url + "/admin/replicas/undrain", json={"endpoint": drained.url}, timeout=5)
+
+
+def test_a_reload_turns_a_pool_disaggregated(replicas: dict[str, list[SimProcess]]) -> None:
+    """Aggregated decode replicas, then the same pool disaggregated by a hot reload (kept replicas keep their state)."""
+    plain = {"model": MODEL, "server": {"health_interval_s": 0.3},
+             "pools": [{"name": "extended", "max_model_len": 65536, "endpoints": [s.url for s in replicas["decode"]]}]}
+    gw = start_gateway(plain)
+    try:
+        held = held_total(replicas["prefill"])
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text("p")}],
+                                           max_tokens=4)
+        assert held_total(replicas["prefill"]) == held
+        gw.write_config({**plain, "pools": [{"name": "extended", "max_model_len": 65536, "disaggregation": {
+            "prefill": {"endpoints": [s.url for s in replicas["prefill"]]},
+            "decode": {"endpoints": [s.url for s in replicas["decode"]]}, "min_uncached_tokens": MIN_UNCACHED}}]})
+        r = httpx.post(gw.url + "/admin/reload", timeout=10)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10
+        while {r["role"] for r in admin_pools(gw)["extended"]["replicas"].values()} != {"prefill", "decode"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)  # the new prefill replicas' first health check
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text("q")}],
+                                           max_tokens=4)
+        assert held_total(replicas["prefill"]) == held + 1
+    finally:
+        gw.stop()
