@@ -58,6 +58,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 MAX_PREFILL_ATTEMPTS = 2
 MAX_DECODE_ATTEMPTS = 2
 PD_BUCKETS = (*STAGE_BUCKETS, 60.0, 120.0, 300.0)
+OFF_LOOP_BYTES = 64 * 1024  # bodies larger than this are parsed and serialised in a worker thread
 
 
 class Attempts(Protocol):
@@ -67,6 +68,7 @@ class Attempts(Protocol):
     payload: bytes
     raw_headers: list[tuple[bytes, bytes]]
     heal: bool
+    answered_5xx: list[Replica]
 
     @property
     def profile(self) -> Any: ...
@@ -107,7 +109,7 @@ class Disaggregation:
         return choice.pool.disaggregation is not None and choice.pool.name in self.gw.pools
 
     async def forward(
-        self, relay: Relay, attempt: Any, choice: PoolChoice, routing: RoutingRequest, direct_matched_blocks: int,
+        self, relay: Relay, attempt: Attempts, choice: PoolChoice, routing: RoutingRequest, direct_matched_blocks: int,
         watch: DisconnectWatch,
     ) -> Any:
         """The answer of a disaggregated request, or None when the decider sends it straight to a decode replica
@@ -125,7 +127,8 @@ class Disaggregation:
         record.extra["pd_path"] = decision.path
         if not decision.disaggregated:
             return None
-        body = orjson.loads(attempt.payload)
+        record.extra["pd_big"] = len(attempt.payload) > OFF_LOOP_BYTES
+        body = await _off_loop(orjson.loads, attempt.payload, record)
         record.extra["pd"] = True
         prefilled = await self._prefill(relay, attempt, pool, cfg, body, routing, watch)
         if prefilled is None:  # no prefill replica could: the coordinator sends it straight to a decode replica
@@ -151,7 +154,9 @@ class Disaggregation:
             entry = self._prefill_policies[pool] = (serving, policy)
         return entry[1]
 
-    def prefill_targets(self, pool: PoolRuntime, routing: RoutingRequest, avoid: Replica | None = None) -> list[Replica]:
+    def prefill_targets(
+        self, pool: PoolRuntime, routing: RoutingRequest, avoid: Replica | None = None
+    ) -> list[Replica]:
         gw = self.gw
         now = gw.clock()
         try:
@@ -165,7 +170,7 @@ class Disaggregation:
         return out[:MAX_PREFILL_ATTEMPTS]
 
     async def _prefill(
-        self, relay: Relay, attempt: Any, pool: PoolRuntime, cfg: DisaggregationConfig, body: dict[str, Any],
+        self, relay: Relay, attempt: Attempts, pool: PoolRuntime, cfg: DisaggregationConfig, body: dict[str, Any],
         routing: RoutingRequest, watch: DisconnectWatch, avoid: Replica | None = None,
     ) -> _Prefilled | RawResponse | None:
         """Prefill on the best prefill replica, the next on failure. Returns the KV-transfer params, the replica's
@@ -173,7 +178,7 @@ class Disaggregation:
         gw = self.gw
         assert gw.session is not None
         record: RequestRecord = attempt.record
-        payload = orjson.dumps(prefill_body(body))
+        payload = await _off_loop(orjson.dumps, prefill_body(body), record)
         key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
         timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout_s or gw.config.server.upstream_read_timeout_s)
         for replica in self.prefill_targets(pool, routing, avoid):
@@ -247,7 +252,7 @@ class Disaggregation:
         return [r for r in ranked if r not in tried] + [r for r in ranked if r in tried]
 
     async def _decode(
-        self, relay: Relay, attempt: Any, pool: PoolRuntime, cfg: DisaggregationConfig, body: dict[str, Any],
+        self, relay: Relay, attempt: Attempts, pool: PoolRuntime, cfg: DisaggregationConfig, body: dict[str, Any],
         routing: RoutingRequest, prefilled: _Prefilled, watch: DisconnectWatch,
     ) -> Any:
         gw = self.gw
@@ -261,7 +266,7 @@ class Disaggregation:
                 break
             replica = targets[0]
             tried.append(replica)
-            attempt.payload = orjson.dumps({**body, "kv_transfer_params": prefilled.params})
+            attempt.payload = await _off_loop(orjson.dumps, {**body, "kv_transfer_params": prefilled.params}, record)
             record.extra["pd_role"] = "decode"
             last = number == MAX_DECODE_ATTEMPTS - 1
             started = gw.clock()
@@ -361,6 +366,13 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return out
+
+
+async def _off_loop(work: Any, arg: Any, record: RequestRecord) -> Any:
+    """JSON work on a long prompt's body (megabytes) in a worker thread, as the coordinator classifies it."""
+    if record.extra.get("pd_big"):
+        return await asyncio.to_thread(work, arg)
+    return work(arg)
 
 
 def _json(raw: bytes) -> Any:
