@@ -393,3 +393,16 @@ def test_a_reload_turns_a_pool_disaggregated(replicas: dict[str, list[SimProcess
         assert held_total(replicas["prefill"]) == held + 1
     finally:
         gw.stop()
+
+
+def test_a_prefill_4xx_is_the_clients_answer(gateway: GatewayProcess, replicas: dict[str, list[SimProcess]]) -> None:
+    held, pulled = held_total(replicas["prefill"]), pulls(replicas["decode"])
+    r = httpx.post(gateway.base_url + "/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": long_text("r")}], "max_tokens": 4,
+        "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", r.text
+    assert r.headers["x-m3gate-endpoint"] in {s.url for s in replicas["prefill"]}
+    assert held_total(replicas["prefill"]) == held and pulls(replicas["decode"]) == pulled
+    pools = admin_pools(gateway)["extended"]["replicas"]
+    assert all(pools[s.url]["available"] for s in replicas["prefill"])  # the request's fault, not the replica's
+    settled(gateway)
