@@ -345,7 +345,8 @@ def test_a_kv_load_failure_is_retried_after_prefilling_again(replicas: dict[str,
         assert broken.stats()["kv_transfer"]["held_total"] >= 1, "the broken prefill replica was never chosen"
         assert sum(s.stats()["kv_transfer"]["failed_pulls"] for s in replicas["decode"]) > failed
         pools = admin_pools(gw)["extended"]["replicas"]
-        assert all(pools[s.url]["available"] for s in replicas["decode"])  # not blamed for the prefill's fault
+        for s in replicas["decode"]:  # not blamed for the prefill side's fault
+            assert pools[s.url]["consecutive_failures"] == 0 and pools[s.url]["ejected_for_s"] == 0, pools[s.url]
         assert all(r["in_flight"] == 0 for r in pools.values())
     finally:
         gw.stop()
@@ -404,5 +405,6 @@ def test_a_prefill_4xx_is_the_clients_answer(gateway: GatewayProcess, replicas: 
     assert r.headers["x-m3gate-endpoint"] in {s.url for s in replicas["prefill"]}
     assert held_total(replicas["prefill"]) == held and pulls(replicas["decode"]) == pulled
     pools = admin_pools(gateway)["extended"]["replicas"]
-    assert all(pools[s.url]["available"] for s in replicas["prefill"])  # the request's fault, not the replica's
+    for s in replicas["prefill"]:  # the request's fault, not the replica's
+        assert pools[s.url]["consecutive_failures"] == 0 and pools[s.url]["ejected_for_s"] == 0, pools[s.url]
     settled(gateway)
