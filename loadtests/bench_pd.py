@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=int, nargs="*", default=[0, 1024, 16384, 32768])
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/bench_pd.json"))
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a killed bench still stops its replicas and gateway
     if args.quick:
         args.rounds, args.duration, args.sweep = 1, 18.0, [0]
     sim_args = ["--speed", str(args.speed)]
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "medians": medians,
                                     "runs": results, "decisions": decisions}, indent=2))
     return 0
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def report(medians: dict[str, dict[str, float]], decisions: dict[str, dict[str, float]], args: Any,
