@@ -184,3 +184,39 @@ def test_decode_for_a_restarted_prefill_server_fails(pd_pair: PdPair, client: ht
                                      "code": 500}}
     assert delta(after, before, "vllm:nixl_num_failed_transfers_total") >= 1
     assert delta(after, before, "vllm:request_success_total", finished_reason="error") == 1
+
+
+def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Client) -> None:
+    """The whole product path: the OpenAI SDK → m3gate with a disaggregated pool over the real prefill and decode
+    servers → one ordinary streamed answer, whose prompt the decode server pulled over NIXL."""
+    import openai
+
+    from gateway.launcher import start_gateway
+
+    gw = start_gateway({
+        "model": MODEL,
+        "pools": [{"name": "extended", "max_model_len": 2048, "disaggregation": {
+            "prefill": {"endpoints": [pd_pair.prefill.url]}, "decode": {"endpoints": [pd_pair.decode.url]},
+            "min_uncached_tokens": 256, "kv_lease_s": 120, "transfer_timeout_s": 240}}],
+        "server": {"health_interval_s": 1.0, "upstream_read_timeout_s": 300},
+        "classification": {"output_budget": {"adaptive": 64, "enabled": 64, "disabled": 64}},
+    })
+    try:
+        sdk = openai.OpenAI(base_url=gw.base_url, api_key="k", max_retries=0, timeout=300)
+        before = metrics(client, pd_pair.decode.url)
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": words(400, 300)}], max_tokens=4, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        after = metrics(client, pd_pair.decode.url)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 4 and usage.prompt_tokens > 256
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # an ordinary answer
+        assert delta(after, before, "vllm:nixl_xfer_time_seconds_count") == 1  # one pull, by the decode server
+        assert delta(after, before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == (
+            usage.prompt_tokens)
+        decisions = {(s.labels.get("path")): s.value for f in text_string_to_metric_families(
+            client.get(gw.url + "/metrics").text) for s in f.samples if s.name == "m3gate_pd_decisions_total"}
+        assert decisions.get("disaggregated") == 1
+    finally:
+        gw.stop()
