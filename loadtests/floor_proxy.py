@@ -1,11 +1,18 @@
-"""The cheapest proxy the design packages allow: the measuring stick for m3gate's own cost.
+"""The cheapest proxies the design packages allow: the measuring sticks for m3gate's own cost.
 
-    python -m loadtests.floor_proxy PORT UPSTREAM_URL [UPSTREAM_URL ...]
+    python -m loadtests.floor_proxy [--server uvicorn|granian|granian-rsgi] PORT UPSTREAM_URL [UPSTREAM_URL ...]
 
-A raw ASGI app on uvicorn (uvloop + httptools) relaying each POST to the next upstream in turn with one shared
-aiohttp session: no routing, classification, admission, metrics or error handling, just the two HTTP hops every
-Python gateway on these packages pays for. Streaming responses are relayed chunk by chunk. Used by
-loadtests.bench_overhead's reference segment; not part of the product.
+Each relays every POST to the next upstream in turn with one shared aiohttp session: no routing, classification,
+admission, metrics or error handling, just the two HTTP hops every Python gateway on these packages pays for.
+Streaming responses are relayed chunk by chunk. The listening side is one of
+
+- `uvicorn` (default): a raw ASGI app on uvicorn (uvloop + httptools), m3gate's listener;
+- `granian`: the same raw ASGI app on granian (Rust HTTP server, hyper), embedded in this process on uvloop;
+- `granian-rsgi`: granian's own RSGI interface (body and response handed over whole, no ASGI message dicts).
+
+Used by loadtests.bench_overhead's reference segments (peers `floor`, `floor-granian`, `floor-granian-rsgi`), so
+the ceiling of each listener stack is known; not part of the product. Granian is embedded (one process, its Rust
+I/O threads beside the Python loop) so the process's CPU time is all of the proxy's.
 """
 
 from __future__ import annotations
@@ -15,10 +22,17 @@ import sys
 from typing import Any
 
 import aiohttp
-import uvicorn
+
+JSON = {"content-type": "application/json"}
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(),
+                                 auto_decompress=False)
 
 
 def build(upstreams: list[str]) -> Any:
+    """The raw ASGI relay (uvicorn or granian)."""
     turn = itertools.cycle(upstreams)
     state: dict[str, aiohttp.ClientSession] = {}
 
@@ -27,9 +41,7 @@ def build(upstreams: list[str]) -> Any:
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    state["http"] = aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(),
-                        auto_decompress=False)
+                    state["http"] = _session()
                     await send({"type": "lifespan.startup.complete"})
                 else:
                     await state["http"].close()
@@ -45,8 +57,7 @@ def build(upstreams: list[str]) -> Any:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        async with state["http"].post(next(turn) + scope["path"], data=body,
-                                      headers={"content-type": "application/json"}) as upstream:
+        async with state["http"].post(next(turn) + scope["path"], data=body, headers=JSON) as upstream:
             headers = [(b"content-type", upstream.headers.get("content-type", "application/json").encode())]
             await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
             async for chunk in upstream.content.iter_any():
@@ -56,10 +67,63 @@ def build(upstreams: list[str]) -> Any:
     return app
 
 
+class RsgiRelay:
+    """The same relay as an RSGI app: `await proto()` is the whole body, `response_bytes` / `response_stream` the
+    answer (one call, or one per chunk)."""
+
+    def __init__(self, upstreams: list[str]) -> None:
+        self.turn = itertools.cycle(upstreams)
+        self.http: aiohttp.ClientSession | None = None
+
+    def __rsgi_init__(self, loop: Any) -> None:
+        self.http = _session()
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        if scope.method != "POST":
+            proto.response_bytes(200, [("content-type", "text/plain")], b"ok")
+            return
+        body = await proto()
+        assert self.http is not None
+        async with self.http.post(next(self.turn) + scope.path, data=body, headers=JSON) as upstream:
+            ctype = upstream.headers.get("content-type", "application/json")
+            if upstream.content_length is not None:  # a whole answer: one response call
+                proto.response_bytes(upstream.status, [("content-type", ctype)], await upstream.read())
+                return
+            transport = proto.response_stream(upstream.status, [("content-type", ctype)])
+            async for chunk in upstream.content.iter_any():
+                await transport.send_bytes(chunk)
+
+
+def serve_granian(app: Any, port: int, rsgi: bool) -> None:
+    import asyncio
+
+    import uvloop
+    from granian.constants import Interfaces
+    from granian.log import LogLevels
+    from granian.server.embed import Server
+
+    server = Server(app, address="127.0.0.1", port=port, interface=Interfaces.RSGI if rsgi else Interfaces.ASGI,
+                    websockets=False, log_level=LogLevels.warning, backlog=2048)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(server.serve())
+
+
 def main(argv: list[str]) -> int:
+    server = "uvicorn"
+    if argv and argv[0] == "--server":
+        server, argv = argv[1], argv[2:]
     port, *upstreams = argv
-    uvicorn.run(build(upstreams), host="127.0.0.1", port=int(port), loop="uvloop", http="httptools",
-                log_level="warning", access_log=False)
+    if server == "uvicorn":
+        import uvicorn
+
+        uvicorn.run(build(upstreams), host="127.0.0.1", port=int(port), loop="uvloop", http="httptools",
+                    log_level="warning", access_log=False)
+    elif server in ("granian", "granian-rsgi"):
+        rsgi = server == "granian-rsgi"
+        serve_granian(RsgiRelay(upstreams) if rsgi else build(upstreams), int(port), rsgi)
+    else:
+        print(f"unknown --server {server!r}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,6 +2,8 @@
 
 - `floor`: loadtests.floor_proxy, the cheapest relay the design packages allow (uvicorn raw ASGI + aiohttp), i.e.
   the part of m3gate's cost no Python gateway on these packages avoids;
+- `floor-granian`, `floor-granian-rsgi`: the same relay on granian (Rust HTTP server) through its ASGI and its RSGI
+  interface: the ceiling of each listener stack m3gate could run on;
 - `sglang-router`: SGLang's Rust router (`sglang-router` from PyPI, round_robin), the cheapest production router
   measured on this kind of machine (../shared/reference/performance.md §6). Installed once into its own virtual
   environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
@@ -75,7 +77,7 @@ class PeerProcess:
 
 
 def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> PeerProcess:
-    """Start peer `name` ("floor", "sglang-router" or "m3gate@DIR") in front of `upstreams`; raises RuntimeError if
+    """Start peer `name` ("floor", "floor-granian", "floor-granian-rsgi", "sglang-router" or "m3gate@DIR") in front of `upstreams`; raises RuntimeError if
     it can't."""
     from gateway.launcher import free_port
 
@@ -99,6 +101,9 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
                str(port)]
     elif name == "floor":
         cmd = [sys.executable, "-m", "loadtests.floor_proxy", str(port), *upstreams]
+    elif name in ("floor-granian", "floor-granian-rsgi"):
+        cmd = [sys.executable, "-m", "loadtests.floor_proxy", "--server", name.removeprefix("floor-"), str(port),
+               *upstreams]
     elif name == "sglang-router":
         python, why = sglang_python()
         if python is None:
