@@ -10,7 +10,8 @@
   (no registry access).
 
 - `m3gate@DIR`: m3gate as checked out in DIR (e.g. `git worktree add /tmp/base <commit>`), with the same config as
-  the m3gate under test: an A/B of two versions in the same run (`--peers floor,m3gate@/tmp/base`).
+  the m3gate under test: an A/B of two versions in the same run (`--peers floor,m3gate@/tmp/base`);
+  `m3gate-granian@DIR` the same under granian (M3GATE_LISTENER=granian), e.g. `m3gate-granian@.` for this checkout.
 
 Each runs as its own process on a free loopback port, pinned like the gateway; stop() ends it by PID.
 """
@@ -86,7 +87,7 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
     log = folder / "peer.log"
     cwd = Path(__file__).resolve().parent.parent
     env = None
-    if name.startswith("m3gate@"):
+    if name.startswith(("m3gate@", "m3gate-granian@")):
         import yaml
 
         from loadtests.replicas import bench_config
@@ -97,6 +98,8 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
         config = folder / "pools.yaml"
         config.write_text(yaml.safe_dump(bench_config(upstreams), sort_keys=False))
         env = {**os.environ, "PYTHONPATH": str(cwd)}
+        if name.startswith("m3gate-granian@"):
+            env["M3GATE_LISTENER"] = "granian"
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host", "127.0.0.1", "--port",
                str(port)]
     elif name == "floor":
