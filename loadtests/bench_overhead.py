@@ -1,6 +1,7 @@
 """What the gateway itself costs: a gateway in front of simulated replicas vs the same replicas directly.
 
-    python -m loadtests.bench_overhead [--quick] [--rounds N] [--profile] [--skip-streams]
+    python -m loadtests.bench_overhead [--quick] [--rounds N] [--profile] [--skip-streams] [--peers P,...]
+                                       [--modes pinned,unpinned] [--reference-only]
 
 The gateway runs pinned to CPU 0; this process (the load generator) and the simulated replicas share CPU 1
 (`os.sched_setaffinity`), so the gateway's CPU time (/proc/PID/stat) is its own. Direct and gateway segments are
@@ -14,9 +15,14 @@ noisy; ratios and CPU-per-request figures measured side by side are what to read
    events/s, gateway CPU per event → events per CPU-second, and the ITL the gateway adds (P50/P99); (b) burst, from
    `--instant` replicas (all events of an answer at once): the relay's best case.
 3. 5,000 concurrent open streams from replicas decoding one token per second: gateway RSS and CPU while they trickle.
+4. Reference segments: m3gate beside the floor proxies (uvicorn, granian ASGI, granian RSGI; loadtests/floor_proxy.py)
+   and SGLang's Rust router, non-streaming c=32 and streaming c=64 (64 chunks), each proxy's CPU per request (median
+   of the rounds), in two placements: `pinned` (proxies on CPU 0, load generator and replicas on CPU 1) and
+   `unpinned` (everything free on both cores, as on a busy node). Both by default; `--quick` runs pinned only.
 
 Targets (PASS/FAIL with the measured value): added ≤ 1 ms p50 and ≤ 3 ms p99 at c=32; ≥ 2,000 req/s per core;
-≥ 20,000 relayed events/s per core; 5,000 open streams under 1 GiB RSS. With --profile (or when a target is missed,
+≥ 20,000 relayed events/s per core; 5,000 open streams under 1 GiB RSS; m3gate's CPU per request ≤ 2× the Rust
+router's in each reference segment. With --profile (or when a target is missed,
 unless --no-profile) the gateway is run again under cProfile and its hot spots are printed.
 """
 
@@ -765,9 +771,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile the gateway with cProfile (default: only when a target is missed)")
     parser.add_argument("--skip-streams", action="store_true", help="non-streaming tests only")
     parser.add_argument("--open-streams", type=int, default=5000)
-    parser.add_argument("--peers", default="floor,floor-granian,floor-granian-rsgi,sglang-router",
-                        help="reference proxies measured beside m3gate (comma-separated: floor, floor-granian, "
-                             "floor-granian-rsgi, sglang-router, m3gate@DIR; '' for none)")
+    parser.add_argument("--peers", help="reference proxies measured beside m3gate (comma-separated: floor, "
+                                        "floor-granian, floor-granian-rsgi, sglang-router, m3gate@DIR, "
+                                        "m3gate-granian@DIR; '' for none; default all four floors and the router, "
+                                        "floor,sglang-router with --quick)")
     parser.add_argument("--modes", help="placements for the reference segments (comma-separated: pinned, unpinned; "
                                         "default both, pinned only with --quick)")
     parser.add_argument("--reference-only", action="store_true",
@@ -777,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.out) if args.out else run_dir("overhead")
     folder.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (1 if args.quick else 4)
+    if args.peers is None:
+        args.peers = "floor,sglang-router" if args.quick else "floor,floor-granian,floor-granian-rsgi,sglang-router"
     peers = [p for p in args.peers.split(",") if p]
     modes = [m for m in (args.modes or ("pinned" if args.quick else ",".join(MODES))).split(",") if m]
     if any(m not in MODES for m in modes):
