@@ -3,7 +3,8 @@
 - `floor`: loadtests.floor_proxy, the cheapest relay the design packages allow (uvicorn raw ASGI + aiohttp), i.e.
   the part of m3gate's cost no Python gateway on these packages avoids;
 - `floor-granian`, `floor-granian-rsgi`: the same relay on granian (Rust HTTP server) through its ASGI and its RSGI
-  interface: the ceiling of each listener stack m3gate could run on;
+  interface: the ceiling of each listener stack m3gate could run on; `floor-raw`, `floor-granian-rsgi-raw`: uvicorn /
+  granian RSGI with a minimal httptools keep-alive client upstream instead of aiohttp (the client stack's share);
 - `sglang-router`: SGLang's Rust router (`sglang-router` from PyPI, round_robin), the cheapest production router
   measured on this kind of machine (../shared/reference/performance.md §6). Installed once into its own virtual
   environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
@@ -104,7 +105,7 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
                str(port)]
     elif name == "floor":
         cmd = [sys.executable, "-m", "loadtests.floor_proxy", str(port), *upstreams]
-    elif name in ("floor-granian", "floor-granian-rsgi"):
+    elif name in ("floor-granian", "floor-granian-rsgi", "floor-raw", "floor-granian-rsgi-raw"):
         cmd = [sys.executable, "-m", "loadtests.floor_proxy", "--server", name.removeprefix("floor-"), str(port),
                *upstreams]
     elif name == "sglang-router":
