@@ -139,8 +139,10 @@ class _Conn(asyncio.Protocol):
     async def body_chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         while True:
-            while self.chunks:
-                yield self.chunks.popleft()
+            if self.chunks:  # everything parsed from the reads so far, as one piece (as aiohttp's iter_any)
+                data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+                self.chunks.clear()
+                yield data
             if self.done:
                 break
             self.waiter = loop.create_future()
