@@ -311,6 +311,12 @@ class ServerConfig(_Strict):
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="Longest silence from a replica.")
     health_interval_s: float = Field(default=2.0, gt=0)
+    listener: Literal["uvicorn", "granian"] = Field(
+        default="uvicorn",
+        description="The HTTP server in front of the app: uvicorn (uvloop + httptools, hardened) or granian (Rust, "
+                    "hyper; experimental, see README Performance). Read at start; the M3GATE_LISTENER environment "
+                    "variable overrides it.",
+    )
 
 
 class AdminConfig(_Strict):
