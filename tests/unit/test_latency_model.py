@@ -14,6 +14,7 @@ from policies.replica_choice import PrefixAffinity, ReplicaSnapshot, RoutingRequ
 from policies.traffic import request_slos
 from policies.config import TrafficConfig
 from policies.errors import RequestRejected
+from pools.replicas import Replica
 
 
 def test_a_fresh_calibrator_is_the_analytic_model() -> None:
@@ -135,3 +136,31 @@ def test_slo_headers_and_class_targets() -> None:
         with pytest.raises(RequestRejected) as err:
             request_slos(bad, None, traffic, "interactive", slo_aware=False)
         assert err.value.status == 400 and err.value.param == "x-slo-ttft-ms"
+
+
+def test_prefill_work_ahead_is_counted_from_send_to_first_token() -> None:
+    """The gateway's exact view of a replica's prefill queue: uncached tokens sent, not yet at their first token."""
+    replica = Replica(url="http://a", pool="p")
+    first, second = replica.guard(9000, prefill_tokens=6000), replica.guard(3000, prefill_tokens=2000)
+    assert replica.prefill_tokens == 8000 and replica.snapshot(0.0).prefill_tokens == 8000
+    first.first_token()
+    first.first_token()  # idempotent
+    assert replica.prefill_tokens == 2000
+    first.release()
+    assert replica.prefill_tokens == 2000 and replica.in_flight == 1
+    second.release()  # ended before its first token (failed, client gone): its prefill leaves the queue too
+    second.release()
+    assert (replica.prefill_tokens, replica.in_flight, replica.in_flight_tokens) == (0, 0, 0)
+
+
+def test_the_calibrated_features_see_the_prefill_this_gateway_queued() -> None:
+    """Two replicas the scrapes call equal: the one this gateway sent 24K uncached tokens that are still prefilling
+    is predicted slower by the calibrated model (its analytic input is the work ahead), fresh as it is."""
+    policy = PrefixAffinity(_Matcher({}), calibrator=TtftCalibrator())
+    replicas = [_replica("http://a", 0), _replica("http://b", 0)]
+    replicas[0].prefill_tokens = 24_000
+    request = RoutingRequest(prompt_tokens=2000, output_budget=64, block_hashes=(1,), ttft_slo_s=1.0)
+    decision = policy.choose(request, replicas, 0.0)
+    assert decision.replica == "http://b"
+    assert decision.predicted_ttft_s == pytest.approx(2000 * 60e-6 + 0.02, rel=0.05)
+    assert decision.runner_up_ttft_s == pytest.approx(26_000 * 60e-6 + 0.02, rel=0.05)
