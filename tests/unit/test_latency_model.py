@@ -164,3 +164,22 @@ def test_the_calibrated_features_see_the_prefill_this_gateway_queued() -> None:
     assert decision.replica == "http://b"
     assert decision.predicted_ttft_s == pytest.approx(2000 * 60e-6 + 0.02, rel=0.05)
     assert decision.runner_up_ttft_s == pytest.approx(26_000 * 60e-6 + 0.02, rel=0.05)
+
+
+def test_the_p90_keeps_its_coverage_through_a_load_shift() -> None:
+    """Online, predicting each request before learning from it: the load triples halfway; the P90 (the regression
+    with the residual-spread floor) still covers about 90% of what follows, the median re-centres."""
+    rng = random.Random(3)
+    cal = TtftCalibrator()
+    covered, ratios = [], []
+    for n in range(1600):
+        analytic = rng.uniform(0.05, 2.0)
+        x = ttft_features(analytic, rng.randint(100, 16000), rng.randint(0, 12), rng.randint(0, 16), rng.random())
+        actual = (1.0 if n < 800 else 3.0) * analytic * math.exp(rng.gauss(0, 0.3))
+        median, p90 = cal.predict(x)
+        if n >= 900:
+            covered.append(actual <= p90)
+            ratios.append(actual / median)
+        cal.learn(x, actual)
+    assert 0.85 <= sum(covered) / len(covered) <= 0.97, sum(covered) / len(covered)
+    assert 0.8 <= sorted(ratios)[len(ratios) // 2] <= 1.25
