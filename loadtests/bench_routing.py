@@ -28,12 +28,19 @@ import string
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from policies.prefix import prefix_blocks
-from policies.replica_choice import PolicyName, PrefixAffinity, ReplicaPolicy, ReplicaSnapshot, RoutingRequest, build_policy
+from policies.replica_choice import (
+    PolicyName,
+    PrefixAffinity,
+    ReplicaPolicy,
+    ReplicaSnapshot,
+    RoutingRequest,
+    build_policy,
+)
 from pools.prefix_index import PrefixIndex
 
 MODEL = "MiniMaxAI/MiniMax-M3"
