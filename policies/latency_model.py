@@ -8,7 +8,7 @@ that prediction into two quantiles:
     log(TTFT) ≈ c · [1, log(analytic), uncached/8K, waiting/8, running/16, kv_usage]      at q = 0.5 and q = 0.9
 
 by online quantile regression (stochastic gradient on the pinball loss, one step per finished request). It starts as
-the analytic model itself (median = analytic, P90 = 1.5 × analytic) and moves only as far as the evidence pushes it,
+the analytic model itself (median = analytic, P90 = 2 × analytic) and moves only as far as the evidence pushes it,
 so a fresh pool, a reload or a restarted replica never routes on a model trained on nothing. Plain SGD rather than a
 learnt library model: six coefficients per quantile are enough to fix the analytic model's biases (it misprices
 queues of cache hits and batch interference), a step costs ~2 µs, prediction is one dot product per candidate (the
@@ -67,7 +67,7 @@ class TtftCalibrator:
     alone lags when the load shifts (each step moves it by lr·q at most): on bench_slo's bursty traces its coverage
     was 0.73–0.83, with the spread floor 0.81–0.87 overall and 0.89–0.94 once warmed up (target 0.85–0.95)."""
 
-    def __init__(self, lr: float = 0.05, p90_start: float = 1.5, spread_lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.05, p90_start: float = 2.0, spread_lr: float = 0.1) -> None:
         self.lr = lr
         self.median = _Quantile(0.5, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
         self.p90 = _Quantile(0.9, [math.log(p90_start), 1.0, 0.0, 0.0, 0.0, 0.0])
