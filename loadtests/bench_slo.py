@@ -575,6 +575,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             capacity = measure_capacity(pools, args.capacity_guess, args.capacity_s, folder / "capacity",
                                         args.progress)
             source = f"measured: the pool alone at 2× {args.capacity_guess:g} req/s for {args.capacity_s:g} s"
+            if capacity < args.capacity_guess / 4:
+                raise SystemExit(f"measured capacity {capacity:.2f} req/s is under a quarter of the guess "
+                                 f"({args.capacity_guess:g}): the run was probably starved of CPU; rerun, or pass "
+                                 "--capacity REQ_S")
             print(f"interactive pool capacity {capacity:.2f} req/s ({time.monotonic() - t:.0f} s)", flush=True)
         plans = {lv: mixed_plan(lv * capacity, args.duration, seed=args.seed) for lv in args.levels}
         modes = tuple(args.modes)
