@@ -341,7 +341,8 @@ class Coordinator:
         headers = upstream_headers(attempt.raw_headers, key)
         gw.telemetry.inject(record, headers)
         extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url, **gw.traffic.response_headers(record)}
-        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget)
+        uncached = attempt.profile.prompt_tokens - target.matched_blocks * pool.config.block_size
+        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget, max(0, uncached))
         record.t_sent = gw.clock()
         gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
         gw.shared.on_dispatch(pool.name, replica.url, routing)
@@ -369,6 +370,7 @@ class Coordinator:
                 # prefill is then still retried elsewhere, unseen, instead of breaking a started stream.
                 first_chunk = await upstream.content.readany()
                 record.t_first_byte = gw.clock()
+                guard.first_token()  # its prefill no longer waits ahead of the replica's next requests
                 watch.stop()  # the StreamRelay watches for the disconnect from here on
                 return StreamRelay(
                     upstream, response_headers(upstream.headers, extra), guard, record,

@@ -37,17 +37,26 @@ class LoadGuard:
     """Releases a replica's in-flight count exactly once: usable as `with` or by an explicit `release()`, so a
     streaming response can hold it past the handler's return and drop it when the stream ends or is cancelled."""
 
-    __slots__ = ("_replica", "_tokens")
+    __slots__ = ("_replica", "_tokens", "_prefill")
 
-    def __init__(self, replica: Replica, tokens: int):
+    def __init__(self, replica: Replica, tokens: int, prefill: int = 0):
         self._replica: Replica | None = replica
         self._tokens = tokens
+        self._prefill = prefill
+
+    def first_token(self) -> None:
+        """The replica has prefilled this request: its uncached tokens no longer wait ahead of others."""
+        replica, prefill = self._replica, self._prefill
+        if replica is not None and prefill:
+            self._prefill = 0
+            replica.prefill_tokens -= prefill
 
     def release(self) -> None:
         replica, self._replica = self._replica, None
         if replica is not None:
             replica.in_flight -= 1
             replica.in_flight_tokens -= self._tokens
+            replica.prefill_tokens -= self._prefill
 
     def __enter__(self) -> LoadGuard:
         return self
@@ -74,6 +83,7 @@ class Replica:
     # own load
     in_flight: int = 0
     in_flight_tokens: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens sent to it that have not reached their first token yet
     # scraped load
     scraped: ScrapedLoad | None = None
     scraped_at: float | None = None
@@ -106,14 +116,17 @@ class Replica:
             self.tpot_s,  # tpot_s
             self.kv_blocks,  # kv_blocks
             self.block_size,  # block_size
+            self.prefill_tokens,  # prefill_tokens
         )
 
-    def guard(self, tokens: int) -> LoadGuard:
-        """Count one request and its tokens as in flight until the guard is released (idempotently)."""
+    def guard(self, tokens: int, prefill_tokens: int = 0) -> LoadGuard:
+        """Count one request and its tokens as in flight until the guard is released (idempotently), and its
+        `prefill_tokens` (uncached prompt) as waiting for prefill until `first_token()` or the release."""
         self.in_flight += 1
         self.in_flight_tokens += tokens
+        self.prefill_tokens += prefill_tokens
         self.requests_total += 1
-        return LoadGuard(self, tokens)
+        return LoadGuard(self, tokens, prefill_tokens)
 
     # passive health -------------------------------------------------------------------------------------------
     def record_failure(self, now: float, answered: bool = False) -> None:
