@@ -101,8 +101,9 @@ class SessionTracker:
         turn = store.begin_turn(session, kind, now)
         session.traffic_class = record.traffic_class or session.traffic_class
         trace_id = session.id if self.config.trace_ids == "raw" else redacted(session.id)
-        record.session = SessionTurn(turn, source, register_key, SseToolCallScanner(api) if body.get("stream") is True
-                                     else None, trace_id)
+        # only an answer to a request that offered tools can ask for them: other streams are not scanned at all
+        scan = body.get("stream") is True and bool(body.get("tools"))
+        record.session = SessionTurn(turn, source, register_key, SseToolCallScanner(api) if scan else None, trace_id)
         return session.id
 
     def answered(self, record: RequestRecord, body: bytes) -> None:
