@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import time
@@ -364,12 +365,14 @@ def run_scenario(name: str, sims: Sequence[str], redis: PrivateRedis | None, cou
     if n_gw > 1 and redis is not None:
         redis.client().flushdb()
     with gateways(sims, n_gw, redis.url if n_gw > 1 and redis else None) as gws:
+        load_before = os.getloadavg()[0]
         t0 = time.monotonic()
         logs = asyncio.run(drive([g.url for g in gws], count, headers=headers, seed=seed, **shape))
         elapsed = time.monotonic() - t0
         time.sleep(0.3)  # the last answers' records reach the other gateway (25 ms flushes)
         seen = admin_sessions(gws[0].url)
     row = {"scenario": name, "gateways": n_gw, "headers": headers, "elapsed_s": round(elapsed, 2),
+           "load_avg_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)], "cpus": os.cpu_count(),
            **compare(logs, seen)}
     ok, why = verdict(row)
     row["pass"], row["verdict"] = ok, why
@@ -411,6 +414,13 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                      f"{_f(d['tool_p50'])} / {_f(d['tool_p99'])} | {_f(d['think_p50'])} / {_f(d['think_p99'])} | "
                      f"{_f(d['p50'])} / {_f(d['p99'])} / {_f(d['max_abs'], '.2f')} | "
                      f"{'PASS' if r['pass'] else 'FAIL'} |")
+    busy = [r["scenario"] for r in rows if max(r["load_avg_1m"]) > 2 * (r["cpus"] or 1)]
+    if busy:
+        lines += ["", f"**Warning**: the machine's load average was above twice its {rows[0]['cpus']} CPUs during "
+                  f"{', '.join(busy)} (1-minute load before / after: "
+                  + "; ".join(f"{r['scenario']} {r['load_avg_1m'][0]} / {r['load_avg_1m'][1]}" for r in rows)
+                  + "): the generator's sleeps and the gateway's arrival stamps are then delayed by the scheduler, and "
+                  "the figures measure the machine, not m3gate. Run it on a quiet machine."]
     lines += ["", "Δ = m3gate's wait_s − the generator's own wait (last byte received → next request sent), per turn.",
               "", "## Per session", "",
               "| scenario | task time p50 / p95 ms (generator) | (m3gate task_s) | task Δ p50 ms | turns p50 / max |",
