@@ -22,7 +22,8 @@ redis:
 	@scripts/ensure-redis.sh
 
 test: venv redis vllm-env prometheus chromium
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m "not vllm_pd"
+	$(BIN)/python -m pytest -q -ra -m vllm_pd
 
 test-fast: venv redis prometheus chromium
 	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"

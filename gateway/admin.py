@@ -44,8 +44,9 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
     pools: dict[str, Any] = {}
     for name, pool in gw.pools.items():
         replicas = {}
-        for snap, replica in zip(pool.snapshots(now), pool.replicas.values(), strict=True):
+        for snap, replica in zip(pool.snapshots(now, role=None), pool.replicas.values(), strict=True):
             replicas[replica.url] = {
+                "role": replica.role,
                 "available": replica.is_available(now),
                 "healthy": replica.healthy,
                 "draining": replica.draining,

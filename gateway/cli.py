@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
@@ -17,8 +18,17 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     print(f"{args.path}: OK — model {cfg.model}, pools: "
-          + ", ".join(f"{p.name} ({p.max_model_len} tokens, {len(p.endpoints)} endpoints)" for p in cfg.pools_by_size()))
+          + ", ".join(f"{p.name} ({p.max_model_len} tokens, {_replicas(p)})" for p in cfg.pools_by_size()))
     return 0
+
+
+def _replicas(pool: Any) -> str:
+    d = pool.disaggregation
+    if d is None:
+        return f"{len(pool.endpoints)} endpoints"
+    sides = [f"{len(side.endpoints) if not side.discovery else 'DNS'} {role}"
+             for role, side in (("prefill", d.prefill), ("decode", d.decode))]
+    return " + ".join(sides) + ", disaggregated"
 
 
 def _cmd_config_schema(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from gateway.admission import Admitted
 from gateway.bodies import check_model, parse_json_object, receive_body
+from gateway.disagg import Disaggregation
 from gateway.errors import UpstreamFailure, rejected_response
 from gateway.record import RequestRecord
 from gateway.relay import (
@@ -74,6 +75,7 @@ class Coordinator:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.disagg = Disaggregation(gateway)  # the P/D path of disaggregated pools (gateway/disagg.py)
 
     async def serve(self, request: Request, api: str) -> Any:
         """Every outcome is a response: the answer, or an error in OpenAI's shape."""
@@ -274,6 +276,12 @@ class Coordinator:
         attempt = _Attempts(request, record, payload, strip_usage, profile, heal=choice.reason != "forced")
         watch = gw.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
         try:
+            if self.disagg.handles(choice):  # prefill here, decode there; or None: straight to a decode replica
+                direct = targets[0].matched_blocks if targets[0].pool.name == choice.pool.name else 0
+                pool_routing = routings.get(choice.pool.name, routing)
+                answer = await self.disagg.forward(self, attempt, choice, pool_routing, direct, watch)
+                if answer is not None:
+                    return answer
             last_failure: UpstreamFailure | None = None
             number, reason = 0, None
             while targets:
@@ -304,9 +312,18 @@ class Coordinator:
         finally:
             watch.stop()
 
+    async def send(
+        self, attempt: _Attempts, number: int, pool: PoolRuntime, replica: Replica, reason: str,
+        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch,
+    ) -> Response | StreamRelay | UpstreamFailure | list[Target]:
+        """One upstream call on a collaborator's behalf (gateway/disagg.py's decode call), through `_attempt`."""
+        return await self._attempt(attempt, number, Target(pool, replica, reason, 0), routing, routing,
+                                   retry_left=retry_left, watch=watch, reason=reason, retried=False)
+
     async def _attempt(
         self, attempt: _Attempts, number: int, target: Target, dispatched_as: RoutingRequest,
         routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch, reason: str | None = None,
+        retried: bool | None = None,
     ) -> Response | StreamRelay | UpstreamFailure | list[Target]:
         """One upstream call. Returns the response to send, the failure to retry past, or, when the replica refused
         the prompt as longer than its context and a larger pool can take it, that pool's targets."""
@@ -315,7 +332,7 @@ class Coordinator:
         record = attempt.record
         pool, replica = target.pool, target.replica
         record.attempts = number + 1
-        record.retried = number > 0
+        record.retried = number > 0 if retried is None else retried
         record.pool, record.replica = pool.name, replica.url
         record.reason = reason or ("retry" if number else target.reason)
         record.matched_blocks = target.matched_blocks
@@ -324,7 +341,8 @@ class Coordinator:
         headers = upstream_headers(attempt.raw_headers, key)
         gw.telemetry.inject(record, headers)
         extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url, **gw.traffic.response_headers(record)}
-        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget)
+        uncached = attempt.profile.prompt_tokens - target.matched_blocks * pool.config.block_size
+        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget, max(0, uncached))
         record.t_sent = gw.clock()
         gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
         gw.shared.on_dispatch(pool.name, replica.url, routing)
@@ -352,6 +370,7 @@ class Coordinator:
                 # prefill is then still retried elsewhere, unseen, instead of breaking a started stream.
                 first_chunk = await upstream.content.readany()
                 record.t_first_byte = gw.clock()
+                guard.first_token()  # its prefill no longer waits ahead of the replica's next requests
                 watch.stop()  # the StreamRelay watches for the disconnect from here on
                 return StreamRelay(
                     upstream, response_headers(upstream.headers, extra), guard, record,
@@ -425,6 +444,7 @@ class Coordinator:
         record.extra["finished"] = True
         gw = self.gw
         gw.traffic.finished(record)
+        self.disagg.finished(record)
         if record.status == 200 and record.t_first_byte and record.stream:
             pool = gw.pools.get(record.pool)
             replica = pool.replicas.get(record.replica) if pool else None
@@ -439,8 +459,8 @@ class Coordinator:
                 completion = usage.get("completion_tokens") or 0
                 prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                replica.observe_latency(
-                    max(0, prompt - cached), record.t_first_byte - record.t_sent,
+                replica.observe_latency(  # a P/D decode replica pulled its prompt: no prefill rate to learn
+                    0 if record.extra.get("pd") else max(0, prompt - cached), record.t_first_byte - record.t_sent,
                     completion, record.t_last_byte - record.t_first_byte,
                 )
         if record.status == 200 and record.usage:

@@ -28,11 +28,13 @@ class DiscoveryManager:
         self._pools = pools
         self._on_change = on_change
         self._resolver = resolver
-        self._watchers: dict[str, tuple[DnsDiscovery, DnsEndpointWatcher]] = {}
+        self._watchers: dict[tuple[str, str], tuple[DnsDiscovery, DnsEndpointWatcher]] = {}
 
     async def sync(self) -> None:
-        """Start, restart or stop watchers so they match the pools' current `discovery` settings."""
-        wanted = {name: pool.config.discovery for name, pool in self._pools().items() if pool.config.discovery}
+        """Start, restart or stop watchers so they match the pools' current `discovery` settings (one per role in a
+        disaggregated pool)."""
+        wanted = {(name, role): spec for name, pool in self._pools().items()
+                  for role, spec in pool.discovery_specs().items()}
         for name, (spec, watcher) in list(self._watchers.items()):
             if wanted.get(name) != spec:
                 await watcher.stop()
@@ -40,19 +42,20 @@ class DiscoveryManager:
         for name, spec in wanted.items():
             if name in self._watchers:
                 continue
-            watcher = DnsEndpointWatcher(spec, self._changed(name), self._resolver)
+            watcher = DnsEndpointWatcher(spec, self._changed(*name), self._resolver)
             self._watchers[name] = (spec, watcher)
             await watcher.refresh()  # the first answer before serving, so a fresh gateway has replicas at once
             watcher.start()
 
-    def _changed(self, pool_name: str) -> Any:
+    def _changed(self, pool_name: str, role: str) -> Any:
         def on_change(added: set[str], removed: set[str]) -> None:
             pool = self._pools().get(pool_name)
             if pool is None:
                 return
-            pool.apply_discovery(added, removed)
+            pool.apply_discovery(added, removed, role)
             self._on_change()
-            log.warning("pool %s: discovery added %s, removed %s", pool_name, sorted(added), sorted(removed))
+            log.warning("pool %s%s: discovery added %s, removed %s", pool_name,
+                        "" if role == "both" else f" ({role})", sorted(added), sorted(removed))
 
         return on_change
 

@@ -70,7 +70,7 @@ def start_gateway(
     *,
     port: int | None = None,
     env: Mapping[str, str] | None = None,
-    timeout: float = 20.0,
+    timeout: float = 60.0,  # generous: a loaded CI machine can take long to import and start
     workdir: str | Path | None = None,
 ) -> GatewayProcess:
     """Write `config` to a temp file, run `m3gate serve` on it, and wait until /health answers."""

@@ -65,6 +65,7 @@ ROUTING_REASONS = frozenset({
     "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
     "overlength_retry",  # a replica refused the prompt as too long; retried in a larger pool
     "slo_move", "slo_spill", "slo_expected_miss",  # SLO-aware choice (policies/latency_model.py)
+    "disaggregated",  # prefilled on a prefill replica, decoded on a decode replica (gateway/disagg.py)
 })
 
 
@@ -401,8 +402,8 @@ class RequestMetrics:
         self.routing.inc((pool, routing_reason(record)))
         series.e2e.observe((record.t_last_byte or now) - record.t_arrival)
         series.queue.observe(max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0)
-        if not record.retried:  # a retried request's t_sent is its last attempt's
-            series.overhead.observe(gateway_overhead_s(record, record.t_sent))
+        if not record.retried:  # a retried request's t_sent is its last attempt's (a disaggregated one's: decode's)
+            series.overhead.observe(gateway_overhead_s(record, record.extra.get("pd_first_sent") or record.t_sent))
         self.estimated_tokens.inc(by_class, record.prompt_tokens_est)
         if record.matched_blocks:
             runtime = self._gateway.pools.get(pool)
@@ -665,17 +666,17 @@ def scrape_targets(pools: Mapping[str, PoolRuntime]) -> list[dict[str, Any]]:
     """Prometheus http_sd groups: one per replica, labelled with its pool and endpoint URL."""
     groups = []
     for name, pool in pools.items():
-        for url in pool.replicas:
+        for url, replica in pool.replicas.items():
             parts = urlsplit(url)
-            groups.append({
-                "targets": [parts.netloc],
-                "labels": {
-                    "pool": name,
-                    "endpoint": url,
-                    "__scheme__": parts.scheme or "http",
-                    "__metrics_path__": parts.path.rstrip("/") + "/metrics",
-                },
-            })
+            labels = {
+                "pool": name,
+                "endpoint": url,
+                "__scheme__": parts.scheme or "http",
+                "__metrics_path__": parts.path.rstrip("/") + "/metrics",
+            }
+            if replica.role != "both":  # a disaggregated pool's prefill / decode replica
+                labels["role"] = replica.role
+            groups.append({"targets": [parts.netloc], "labels": labels})
     return groups
 
 

@@ -27,6 +27,10 @@ Span tree of one request:
            ├─ m3gate.prefill                     sent → first token's event (streams)
            └─ m3gate.decode                      first → last token's event (output tokens, TPOT; streams)
 
+A disaggregated request (gateway/disagg.py) has one CLIENT span per side, `m3gate.pd.role` prefill / decode: the
+prefill call (sent → its answer), then the decode call, whose first child is
+`m3gate.kv_transfer` (sent → first token: the KV pull and one step) instead of `m3gate.prefill`.
+
 A reload that changes `telemetry` swaps the trace pipeline (`Telemetry.apply_config`): requests sampled by the old one
 are still exported by it, then it shuts down.
 """
@@ -371,7 +375,7 @@ class TraceIds:
         self.sampled = sampled
         self.trace_state = trace_state
         self.offset_ns = offset_ns  # wall-clock ns = offset_ns + monotonic s * 1e9
-        self.attempts: list[tuple[int, float, str, str]] = []  # (span id, start, pool, endpoint), if sampled
+        self.attempts: list[tuple[int, float, str, str, str]] = []  # (span id, start, pool, endpoint, P/D role)
         self._hex = ""
 
     @property
@@ -456,7 +460,7 @@ class Tracing:
     def attempt(self, record: RequestRecord, ids: TraceIds, headers: MutableMapping[str, str]) -> None:
         span_id = self._new_span_id()
         if ids.sampled:
-            ids.attempts.append((span_id, self._clock(), record.pool, record.replica))
+            ids.attempts.append((span_id, self._clock(), record.pool, record.replica, record.extra.get("pd_role", "")))
         headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-{'01' if ids.sampled else '00'}"
         state = ids.trace_state
         if state is not _EMPTY_STATE and state:
@@ -471,7 +475,7 @@ class Tracing:
     def snapshot(self, record: RequestRecord, ids: TraceIds, now: float) -> tuple[Any, ...]:
         """What the spans need, read now (the record is the gateway's), as one flat tuple of numbers, strings and
         None, which the garbage collector stops tracking at its first pass (see SpanBatcher): 20 fields, then the
-        server span's attribute values in SERVER_KEYS' order (None: absent), then 4 fields per attempt."""
+        server span's attribute values in SERVER_KEYS' order (None: absent), then 5 fields per attempt."""
         usage = record.usage
         input_tokens = output_tokens = cached = None
         if usage:
@@ -517,7 +521,7 @@ class Tracing:
             err,
             True if gone else None,
             *_session_values(record.session),
-            # the attempts, 4 fields each
+            # the attempts, 5 fields each
             *(attempts[0] if len(attempts) == 1 else [field for attempt in attempts for field in attempt]),
         )
 
@@ -534,7 +538,7 @@ class Tracing:
          cached) = snapshot[:_FIXED]
         values = snapshot[_FIXED:_ATTEMPTS]
         fields = iter(snapshot[_ATTEMPTS:])
-        attempts = list(zip(fields, fields, fields, fields))  # (span id, start, pool, endpoint)
+        attempts = list(zip(fields, fields, fields, fields, fields))  # (span id, start, pool, endpoint, P/D role)
         Span = self._span_class
         state = _EMPTY_STATE if state_header is None else TraceState.from_header([state_header])
         server = _context(trace_id, server_id, state)
@@ -547,10 +551,17 @@ class Tracing:
             events = [_Event("m3gate.admitted", offset + int(waited * 1e9))]
         name = "POST " + path
         last = len(attempts) - 1
-        for i, (span_id, started, pool, endpoint) in enumerate(attempts):
+        for i, (span_id, started, pool, endpoint, role) in enumerate(attempts):
             attempt_attrs: dict[str, Any] = {"http.request.method": "POST", "url.full": endpoint + path,
                                              "m3gate.pool": pool, "m3gate.endpoint": endpoint, "m3gate.attempt": i + 1}
             context = _context(trace_id, span_id, state)
+            if role:  # a disaggregated pool's prefill or decode call (gateway/disagg.py)
+                attempt_attrs["m3gate.pd.role"] = role
+            if role == "prefill" and i < last and attempts[i + 1][4] == "decode":  # prefilled: the KV went on
+                start_ns = offset + int(started * 1e9)
+                out.append(Span(name, context, server, CLIENT, start_ns,
+                                max(start_ns, offset + int(attempts[i + 1][1] * 1e9)), attempt_attrs))
+                continue
             if i < last:  # failed before its first byte, then retried elsewhere
                 start_ns = offset + int(started * 1e9)
                 stopped_ns = offset + int(attempts[i + 1][1] * 1e9)
@@ -575,7 +586,8 @@ class Tracing:
                     prefill["gen_ai.usage.input_tokens"] = input_tokens
                 if cached is not None:
                     prefill["gen_ai.usage.cache_read.input_tokens"] = cached
-                out.append(Span("m3gate.prefill", _context(trace_id, new_id(), state), context, INTERNAL, sent_ns,
+                out.append(Span("m3gate.kv_transfer" if role == "decode" else "m3gate.prefill",  # P/D: pull + 1 step
+                                _context(trace_id, new_id(), state), context, INTERNAL, sent_ns,
                                 max(sent_ns, first_ns), prefill))
                 decode: dict[str, Any] = {}
                 if output_tokens is not None:

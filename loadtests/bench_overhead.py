@@ -1,6 +1,7 @@
 """What the gateway itself costs: a gateway in front of simulated replicas vs the same replicas directly.
 
-    python -m loadtests.bench_overhead [--quick] [--rounds N] [--profile] [--skip-streams]
+    python -m loadtests.bench_overhead [--quick] [--rounds N] [--profile] [--skip-streams] [--peers P,...]
+                                       [--modes pinned,unpinned] [--reference-only]
 
 The gateway runs pinned to CPU 0; this process (the load generator) and the simulated replicas share CPU 1
 (`os.sched_setaffinity`), so the gateway's CPU time (/proc/PID/stat) is its own. Direct and gateway segments are
@@ -14,9 +15,14 @@ noisy; ratios and CPU-per-request figures measured side by side are what to read
    events/s, gateway CPU per event → events per CPU-second, and the ITL the gateway adds (P50/P99); (b) burst, from
    `--instant` replicas (all events of an answer at once): the relay's best case.
 3. 5,000 concurrent open streams from replicas decoding one token per second: gateway RSS and CPU while they trickle.
+4. Reference segments: m3gate beside the floor proxies (uvicorn, granian ASGI, granian RSGI; loadtests/floor_proxy.py)
+   and SGLang's Rust router, non-streaming c=32 and streaming c=64 (64 chunks), each proxy's CPU per request (median
+   of the rounds), in two placements: `pinned` (proxies on CPU 0, load generator and replicas on CPU 1) and
+   `unpinned` (everything free on both cores, as on a busy node). Both by default; `--quick` runs pinned only.
 
 Targets (PASS/FAIL with the measured value): added ≤ 1 ms p50 and ≤ 3 ms p99 at c=32; ≥ 2,000 req/s per core;
-≥ 20,000 relayed events/s per core; 5,000 open streams under 1 GiB RSS. With --profile (or when a target is missed,
+≥ 20,000 relayed events/s per core; 5,000 open streams under 1 GiB RSS; m3gate's CPU per request ≤ 2× the Rust
+router's in each reference segment. With --profile (or when a target is missed,
 unless --no-profile) the gateway is run again under cProfile and its hot spots are printed.
 """
 
@@ -48,7 +54,7 @@ from loadtests.replicas import (
     GatewayProc,
     cpu_seconds,
     sched_wait_seconds,
-    gateway_config,
+    bench_config,
     pin,
     raise_fd_limit,
     rss_bytes,
@@ -240,6 +246,9 @@ def interleaved_targets(targets: Targets, body: dict[str, Any], concurrency: int
             t["req_per_cpu_s"] = ok / cpu if cpu else None
             t["gw_cpu_us_per_event"] = 1e6 * cpu / events if events else None
             t["events_per_cpu_s"] = events / cpu if cpu and events else None
+            t["per_round_cpu_ms_per_req"] = [1000 * (s.gw_cpu or 0.0) / s.ok if s.ok else None for s in ss]
+            per_round = [x for x in t["per_round_cpu_ms_per_req"] if x is not None]
+            t["cpu_ms_per_req_median"] = statistics.median(per_round) if per_round else None
     return out
 
 
@@ -261,29 +270,58 @@ def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict
     return out
 
 
-def reference_c32(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict[str, Any], seconds: float,
-                  rounds: int, peers: Sequence[str]) -> dict[str, Any]:
-    """Non-streaming c=32 through m3gate and through reference proxies (loadtests.peers), each pinned to the
-    gateway's core, segments interleaved with direct ones: what any proxy costs on this machine vs what m3gate
-    costs."""
+MODES = ("pinned", "unpinned")
+REFERENCE_KINDS = (("nonstream_c32", "non-stream c=32", False, 32), ("stream_c64", "stream c=64 (64 chunks)", True, 64))
+
+
+def place(mode: str, proxies: Sequence[int], load: Sequence[int]) -> None:
+    """`pinned`: proxies (gateway, peers) on GW_CPU, this process and the replicas on LOAD_CPU. `unpinned`: all of
+    them free on every core, as on a busy node where the gateway shares its cores with what it talks to."""
+    every = set(range(os.cpu_count() or 1))
+    for pid in proxies:
+        pin(pid, GW_CPU if mode == "pinned" else every)
+    for pid in (os.getpid(), *load):
+        pin(pid, LOAD_CPU if mode == "pinned" else every)
+
+
+def reference(direct_urls: Sequence[str], sim_pids: Sequence[int], gw_url: str, gw_pid: int, seconds: float,
+              rounds: int, peers: Sequence[str], modes: Sequence[str] = ("pinned",)) -> dict[str, Any]:
+    """m3gate and reference proxies (loadtests.peers) side by side, interleaved with direct segments, in each mode
+    (`place`): non-streaming c=32 and streaming c=64 (64-token answers from `--instant` replicas: the relay's
+    per-chunk cost). What any proxy costs on this machine vs what m3gate costs, measured in the same run."""
     started: dict[str, Any] = {}
     notes: dict[str, str] = {}
     for name in peers:
         try:
             started[name] = start_peer(name, direct_urls)
-            pin(started[name].pid, GW_CPU)
         except RuntimeError as exc:
             notes[name] = str(exc).splitlines()[0][:200]
     targets: Targets = {"direct": (direct_urls, None), "m3gate": ([gw_url], gw_pid)}
     targets.update({name: ([peer.url], peer.pid) for name, peer in started.items()})
+    proxies = [gw_pid, *(peer.pid for peer in started.values())]
+    out: dict[str, Any] = {"notes": notes, "modes": {}}
     try:
-        res = interleaved_targets(targets, body, 32, seconds, rounds, "reference")
+        for mode in modes:
+            place(mode, proxies, sim_pids)
+            out["modes"][mode] = {}
+            for key, label, stream, conc in REFERENCE_KINDS:
+                res = interleaved_targets(targets, chat_body(64 if stream else 16, stream), conc, seconds, rounds,
+                                          f"reference {mode} {label}")
+                for t in res.values():
+                    t.update(_added(t, res["direct"], ("p50_ms", "p99_ms")))
+                out["modes"][mode][key] = res
+                for name, t in res.items():
+                    print(f"  reference {mode:<8s} {label:<23s} {name:<18s} p50 {_f(t['p50_ms'])} ms "
+                          f"(+{_f(t['added_p50_ms'])})  p99 {_f(t['p99_ms'])} ms (+{_f(t['added_p99_ms'])})  rps "
+                          f"{t['rps']:.0f}  CPU {_f(t.get('cpu_ms_per_req_median'), '.3f')} ms/req (rounds "
+                          f"{', '.join(_f(x, '.3f') for x in t.get('per_round_cpu_ms_per_req', []))})", flush=True)
     finally:
+        place("pinned", [gw_pid], sim_pids)
         for peer in started.values():
             peer.stop()
-    for t in res.values():
-        t.update(_added(t, res["direct"], ("p50_ms", "p99_ms")))
-    return {"notes": notes, "targets": res}
+    for name, why in notes.items():
+        print(f"  reference {name}: skipped ({why})", flush=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -480,36 +518,20 @@ def gateway_metric_overhead(url: str) -> float | None:
     return 1000 * total / count if count else None
 
 
-def bench_config(urls: Sequence[str]) -> dict[str, Any]:
-    """A gateway config whose admission never holds a request back (this bench measures the relay, not admission):
-    one traffic class with room for every request, and no pool saturation from replicas' queues. Falls back to the
-    plain config if this gateway version has no such settings."""
-    cfg = gateway_config(urls, policy="prefix_affinity", max_model_len=8192,
-                         extra={"server": {"health_interval_s": 2.0}})
-    permissive = {**cfg, "traffic": {
-        "classes": {"bench": {"priority": 0, "max_concurrency": 100_000, "queue_length": 100_000,
-                              "max_queue_wait_s": 600}},
-        "saturation": {"max_waiting": None, "max_kv_usage": None}}}
-    try:
-        from policies.config import GatewayConfig
-
-        GatewayConfig.model_validate(permissive)
-        return permissive
-    except Exception:  # noqa: BLE001 - an older/newer config model: use the defaults
-        return cfg
-
-
 def _f(v: Any, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
 def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, folder: Path,
-        open_streams: int, peers: Sequence[str] = ("floor", "sglang-router")) -> dict[str, Any]:
+        open_streams: int, peers: Sequence[str] = ("floor", "sglang-router"), modes: Sequence[str] = MODES,
+        reference_only: bool = False) -> dict[str, Any]:
+    if reference_only:
+        skip_streams, profile = True, False
     fd = raise_fd_limit(20000)
     cpus = os.sched_getaffinity(0)
     pinned = len(cpus | set(range(os.cpu_count() or 1))) >= 2 and pin(os.getpid(), LOAD_CPU)
     seg_s = 2.0 if quick else 5.0
-    result: dict[str, Any] = {"quick": quick, "rounds": rounds, "fd_limit": fd, "pinned": pinned,
+    result: dict[str, Any] = {"quick": quick, "rounds": rounds, "fd_limit": fd, "pinned": pinned, "modes": list(modes),
                               "cpus": sorted(os.sched_getaffinity(0)), "machine_cpus": os.cpu_count(),
                               "loadavg_start": os.getloadavg()}
     print(f"overhead bench: gateway on CPU {sorted(GW_CPU)}, load generator + replicas on CPU {sorted(LOAD_CPU)} "
@@ -521,33 +543,27 @@ def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, fold
         gw = GatewayProc(cfg, cpus=GW_CPU)
         try:
             wait_gateway_sees(gw.url, 2)
-            for conc in (1, 32):
-                r = interleaved(pool.urls, gw.url, gw.pid, chat_body(16, False), conc, seg_s, rounds,
-                                f"non-stream c={conc}")
-                result[f"nonstream_c{conc}"] = r
+            if not reference_only:
+                for conc in (1, 32):
+                    r = interleaved(pool.urls, gw.url, gw.pid, chat_body(16, False), conc, seg_s, rounds,
+                                    f"non-stream c={conc}")
+                    result[f"nonstream_c{conc}"] = r
+                    d, g = r["direct"], r["gateway"]
+                    print(f"  non-stream c={conc:<3d} p50 {_f(d['p50_ms'])} → {_f(g['p50_ms'])} ms "
+                          f"(+{_f(r['added_p50_ms'])})  p99 {_f(d['p99_ms'])} → {_f(g['p99_ms'])} ms "
+                          f"(+{_f(r['added_p99_ms'])})  rps {d['rps']:.0f} → "
+                          f"{g['rps']:.0f}  gw CPU {_f(g['gw_cpu_ms_per_req'], '.3f')} ms/req "
+                          f"({_f(g['req_per_cpu_s'], '.0f')} req/CPU-s, {g['gw_cpu_share']:.0%} of a core, waited for "
+                          f"its core {g['gw_runqueue_wait_share']:.0%})", flush=True)
+                r = interleaved(pool.urls, gw.url, gw.pid, chat_body(16, False), 32, seg_s, rounds, "non-stream paced",
+                                rate=PACED_RPS)
+                result["nonstream_paced"] = r
                 d, g = r["direct"], r["gateway"]
-                print(f"  non-stream c={conc:<3d} p50 {_f(d['p50_ms'])} → {_f(g['p50_ms'])} ms "
-                      f"(+{_f(r['added_p50_ms'])})  p99 {_f(d['p99_ms'])} → {_f(g['p99_ms'])} ms "
-                      f"(+{_f(r['added_p99_ms'])})  rps {d['rps']:.0f} → "
-                      f"{g['rps']:.0f}  gw CPU {_f(g['gw_cpu_ms_per_req'], '.3f')} ms/req "
-                      f"({_f(g['req_per_cpu_s'], '.0f')} req/CPU-s, {g['gw_cpu_share']:.0%} of a core, waited for "
-                      f"its core {g['gw_runqueue_wait_share']:.0%})", flush=True)
-            r = interleaved(pool.urls, gw.url, gw.pid, chat_body(16, False), 32, seg_s, rounds, "non-stream paced",
-                            rate=PACED_RPS)
-            result["nonstream_paced"] = r
-            d, g = r["direct"], r["gateway"]
-            print(f"  non-stream {PACED_RPS}/s open loop (≤ 32 in flight) p50 {_f(d['p50_ms'])} → {_f(g['p50_ms'])} ms "
-                  f"(+{_f(r['added_p50_ms'])})  p99 {_f(d['p99_ms'])} → {_f(g['p99_ms'])} ms (+{_f(r['added_p99_ms'])})"
-                  f"  gw CPU {_f(g['gw_cpu_ms_per_req'], '.3f')} ms/req", flush=True)
-            if peers:
-                r = reference_c32(pool.urls, gw.url, gw.pid, chat_body(16, False), seg_s, rounds, peers)
-                result["reference_c32"] = r
-                for name, t in r["targets"].items():
-                    print(f"  reference c=32 {name:<14s} p50 {_f(t['p50_ms'])} ms (+{_f(t['added_p50_ms'])})  p99 "
-                          f"{_f(t['p99_ms'])} ms (+{_f(t['added_p99_ms'])})  rps {t['rps']:.0f} (×{_f(t['rps_ratio'])})"
-                          f"  CPU {_f(t.get('gw_cpu_ms_per_req'), '.3f')} ms/req", flush=True)
-                for name, why in r["notes"].items():
-                    print(f"  reference {name}: skipped ({why})", flush=True)
+                print(f"  non-stream {PACED_RPS}/s open loop (≤ 32 in flight) p50 {_f(d['p50_ms'])} → {_f(g['p50_ms'])} ms "
+                      f"(+{_f(r['added_p50_ms'])})  p99 {_f(d['p99_ms'])} → {_f(g['p99_ms'])} ms (+{_f(r['added_p99_ms'])})"
+                      f"  gw CPU {_f(g['gw_cpu_ms_per_req'], '.3f')} ms/req", flush=True)
+            if peers or modes:
+                result["reference"] = reference(pool.urls, pool.pids(), gw.url, gw.pid, seg_s, rounds, peers, modes)
             if not skip_streams:
                 r = interleaved(pool.urls, gw.url, gw.pid, chat_body(64, True), 64, seg_s, rounds, "stream burst")
                 result["stream_burst_c64"] = r
@@ -606,32 +622,38 @@ def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, fold
 def checks(r: dict[str, Any], open_streams: int) -> list[dict[str, Any]]:
     out = []
     c32 = r.get("nonstream_c32", {})
-    a50, a99 = c32.get("added_p50_ms"), c32.get("added_p99_ms")
-    out.append({"name": "added latency p50 ≤ 1 ms at c=32 (non-stream)", "value": f"{_f(a50)} ms",
-                "ok": a50 is not None and a50 <= 1.0})
-    out.append({"name": "added latency p99 ≤ 3 ms at c=32 (non-stream)", "value": f"{_f(a99)} ms",
-                "ok": a99 is not None and a99 <= 3.0})
-    ref = (r.get("reference_c32") or {}).get("targets") or {}
-    for name in ("sglang-router", "floor"):
-        t = ref.get(name)
-        if t:
-            out.append({"name": f"added latency at c=32 through the {name} proxy, same run (informational)",
-                        "value": f"p50 +{_f(t['added_p50_ms'])} ms, p99 +{_f(t['added_p99_ms'])} ms, "
-                                 f"{_f(t.get('gw_cpu_ms_per_req'), '.3f')} ms CPU/req", "ok": True})
-    mine = (ref.get("m3gate") or {}).get("gw_cpu_ms_per_req")
-    rust = (ref.get("sglang-router") or {}).get("gw_cpu_ms_per_req")
-    if mine and rust:
-        out.append({"name": "m3gate CPU per request ≤ 2× the Rust SGLang router's (reference §6 target)",
-                    "value": f"{mine / rust:.2f}× ({mine:.3f} vs {rust:.3f} ms)", "ok": mine <= 2 * rust})
+    if c32:
+        a50, a99 = c32.get("added_p50_ms"), c32.get("added_p99_ms")
+        out.append({"name": "added latency p50 ≤ 1 ms at c=32 (non-stream)", "value": f"{_f(a50)} ms",
+                    "ok": a50 is not None and a50 <= 1.0})
+        out.append({"name": "added latency p99 ≤ 3 ms at c=32 (non-stream)", "value": f"{_f(a99)} ms",
+                    "ok": a99 is not None and a99 <= 3.0})
+    ref = r.get("reference") or {}
+    for mode, kinds in (ref.get("modes") or {}).items():
+        for key, label, _stream, _conc in REFERENCE_KINDS:
+            res = kinds.get(key) or {}
+            for name, t in res.items():
+                if name in ("direct", "m3gate"):
+                    continue
+                out.append({"name": f"{label}, {mode}, through {name}, same run (informational)",
+                            "value": f"added p50 +{_f(t['added_p50_ms'])} ms, p99 +{_f(t['added_p99_ms'])} ms, "
+                                     f"{_f(t.get('cpu_ms_per_req_median'), '.3f')} ms CPU/req", "ok": True})
+            mine = (res.get("m3gate") or {}).get("cpu_ms_per_req_median")
+            rust = (res.get("sglang-router") or {}).get("cpu_ms_per_req_median")
+            if mine and rust:
+                out.append({"name": f"m3gate CPU per request ≤ 2× the Rust SGLang router's ({label}, {mode}; "
+                                    "median of rounds)",
+                            "value": f"{mine / rust:.2f}× ({mine:.3f} vs {rust:.3f} ms)", "ok": mine <= 2 * rust})
     paced = r.get("nonstream_paced")
     if paced:
         out.append({"name": f"added latency at {paced['rate']:.0f} req/s open loop, ≤ 32 in flight (informational)",
                     "value": f"p50 {_f(paced['added_p50_ms'])} ms, p99 {_f(paced['added_p99_ms'])} ms", "ok": True})
     g = c32.get("gateway", {})
     rpc = g.get("req_per_cpu_s")
-    out.append({"name": "≥ 2,000 req/s per gateway core (non-stream, c=32)",
-                "value": f"{_f(rpc, '.0f')} req/CPU-s ({_f(g.get('gw_cpu_ms_per_req'), '.3f')} ms CPU/req)",
-                "ok": rpc is not None and rpc >= 2000})
+    if c32:
+        out.append({"name": "≥ 2,000 req/s per gateway core (non-stream, c=32)",
+                    "value": f"{_f(rpc, '.0f')} req/CPU-s ({_f(g.get('gw_cpu_ms_per_req'), '.3f')} ms CPU/req)",
+                    "ok": rpc is not None and rpc >= 2000})
     if "stream_paced_c64" in r:
         ep = r["stream_paced_c64"]["gateway"].get("events_per_cpu_s")
         eb = r.get("stream_burst_c64", {}).get("gateway", {}).get("events_per_cpu_s")
@@ -689,15 +711,24 @@ def summary_text(r: dict[str, Any]) -> str:
         lines.append(f"| {o['streams']} open streams | | {o['opened']} open in {o['seconds_to_open']:.1f} s | | RSS "
                      f"{o['gw_rss_before_mib']:.0f} → {o['gw_rss_peak_mib']:.0f} MiB ({o['gw_rss_per_stream_kib']:.1f} "
                      f"KiB/stream), {o['gw_cpu_share']:.0%} CPU |")
-    ref = r.get("reference_c32")
+    ref = r.get("reference")
     if ref:
-        lines += ["", "Reference proxies, non-stream c=32, pinned to the same core, interleaved in the same run:", "",
-                  "| proxy | req/s (× direct) | p50 / p99 ms | added p50 / p99 ms | proxy CPU ms/req |",
-                  "|---|---|---|---|---|"]
-        for name, t in ref["targets"].items():
-            lines.append(f"| {name} | {t['rps']:.0f} (×{_f(t['rps_ratio'])}) | {_f(t['p50_ms'])} / {_f(t['p99_ms'])} | "
-                         f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | "
-                         f"{_f(t.get('gw_cpu_ms_per_req'), '.3f')} |")
+        lines += ["", ("Reference proxies in the same run, interleaved with direct segments (CPU: median of the rounds' "
+                       "CPU per request, rounds in brackets; pinned = proxies on CPU 0, load generator and replicas "
+                       "on CPU 1; unpinned = everything free on both cores):"), "",
+                  "| mode | test | proxy | req/s (× direct) | added p50 / p99 ms | proxy CPU ms/req | × Rust router |",
+                  "|---|---|---|---|---|---|---|"]
+        for mode, kinds in ref["modes"].items():
+            for key, label, _stream, _conc in REFERENCE_KINDS:
+                res = kinds.get(key) or {}
+                rust = (res.get("sglang-router") or {}).get("cpu_ms_per_req_median")
+                for name, t in res.items():
+                    cpu = t.get("cpu_ms_per_req_median")
+                    rounds_ = ", ".join(_f(x, ".3f") for x in t.get("per_round_cpu_ms_per_req", []))
+                    lines.append(f"| {mode} | {label} | {name} | {t['rps']:.0f} (×{_f(t['rps_ratio'])}) | "
+                                 f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | "
+                                 f"{_f(cpu, '.3f')}{f' ({rounds_})' if rounds_ else ''} | "
+                                 f"{_f(cpu / rust if cpu and rust else None)} |")
         for name, why in ref["notes"].items():
             lines.append(f"\n{name}: skipped ({why})")
     c32 = (r.get("nonstream_c32") or {}).get("gateway") or {}
@@ -740,16 +771,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile the gateway with cProfile (default: only when a target is missed)")
     parser.add_argument("--skip-streams", action="store_true", help="non-streaming tests only")
     parser.add_argument("--open-streams", type=int, default=5000)
-    parser.add_argument("--peers", default="floor,sglang-router",
-                        help="reference proxies measured beside m3gate at c=32 (comma-separated: floor, sglang-router; "
-                             "'' for none)")
+    parser.add_argument("--peers", help="reference proxies measured beside m3gate (comma-separated: floor, "
+                                        "floor-granian, floor-granian-rsgi, sglang-router, m3gate@DIR, "
+                                        "m3gate-granian@DIR; '' for none; default all four floors and the router, "
+                                        "floor,sglang-router with --quick)")
+    parser.add_argument("--modes", help="placements for the reference segments (comma-separated: pinned, unpinned; "
+                                        "default both, pinned only with --quick)")
+    parser.add_argument("--reference-only", action="store_true",
+                        help="only the reference segments (m3gate beside the peers), for A/B runs")
     parser.add_argument("--out", help="results folder")
     args = parser.parse_args(argv)
     folder = Path(args.out) if args.out else run_dir("overhead")
     folder.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (1 if args.quick else 4)
+    if args.peers is None:
+        args.peers = "floor,sglang-router" if args.quick else "floor,floor-granian,floor-granian-rsgi,sglang-router"
     peers = [p for p in args.peers.split(",") if p]
-    result = run(args.quick, rounds, args.profile, args.skip_streams, folder, args.open_streams, peers)
+    modes = [m for m in (args.modes or ("pinned" if args.quick else ",".join(MODES))).split(",") if m]
+    if any(m not in MODES for m in modes):
+        parser.error(f"--modes: choose from {', '.join(MODES)}")
+    result = run(args.quick, rounds, args.profile, args.skip_streams, folder, args.open_streams, peers, modes,
+                 args.reference_only)
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))

@@ -8,22 +8,39 @@
 - `total`: all of the above, what routing adds to a request.
 
 The prefix index is warmed to capacity first (each replica holding many agent sessions that share a few system
-prompts), so lookups meet a full hash map and LRU eviction runs on every record, as in steady state.
+prompts), so lookups meet a full hash map and LRU eviction runs on every record, as in steady state. prefix_affinity
+is built as the gateway builds it: with the pool's TTFT calibrator when the code has one (policies.latency_model).
+
+`--against DIR` is a same-run A/B against another checkout of the code (e.g. a `git worktree` of an older commit):
+this script runs alternately in subprocesses importing this tree's and DIR's `policies`/`pools`, `--repeats` times
+each, and prints the medians of each step's p50/p99 and their ratios (this tree ÷ DIR).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import os
 import random
 import statistics
 import string
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from policies.prefix import prefix_blocks
-from policies.replica_choice import PolicyName, ReplicaPolicy, ReplicaSnapshot, RoutingRequest, build_policy
+from policies.replica_choice import (
+    PolicyName,
+    PrefixAffinity,
+    ReplicaPolicy,
+    ReplicaSnapshot,
+    RoutingRequest,
+    build_policy,
+)
 from pools.prefix_index import PrefixIndex
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -107,7 +124,11 @@ def bench(
     bodies = make_bodies(64, prompt_tokens)
     hashes = [prefix_blocks(b, "chat", MODEL) for b in bodies]
     index = PrefixIndex()
-    policy: ReplicaPolicy = build_policy(policy_name, prefix_index=index)  # only prefix_affinity reads the index
+    kwargs: dict[str, Any] = {"prefix_index": index}  # only prefix_affinity reads the index
+    calibrator = _calibrator()
+    if calibrator is not None and policy_name == "prefix_affinity":
+        kwargs["calibrator"] = calibrator  # as gateway/runtime.py builds it
+    policy: ReplicaPolicy = build_policy(policy_name, **kwargs)
     snapshot_sets = [make_snapshots(replicas, rnd) for _ in range(16)]
     for snap in snapshot_sets[0]:
         index.resize(snap.url, snap.kv_blocks)
@@ -148,6 +169,7 @@ def bench(
         reason = policy.choose(requests[i % 64], snapshot_sets[i % 16], 2.0 + i).reason
         reasons[reason] = reasons.get(reason, 0) + 1
     result["reasons"] = reasons
+    result["calibrated"] = calibrator is not None
     for name, step in (("choose", choose), ("choose+dispatched", choose_dispatch), ("prefix_blocks", hashing),
                        ("total", total)):  # fmt: skip
         _timed(step, min(iterations // 10, 1000))  # warm-up
@@ -163,6 +185,66 @@ def bench(
     return result
 
 
+def _calibrator() -> Any:
+    """The pool's TTFT calibrator, when this checkout of the code has one (it came with the prediction work)."""
+    if "calibrator" not in inspect.signature(PrefixAffinity.__init__).parameters:
+        return None
+    from policies.latency_model import TtftCalibrator
+
+    return TtftCalibrator()
+
+
+STEPS = ("choose", "choose+dispatched", "prefix_blocks", "total")
+
+
+def against(other: Path, args: argparse.Namespace) -> int:
+    """Same-run A/B: this file, run alternately with this tree's code and with `other`'s on sys.path first."""
+    here = Path(__file__).resolve().parent.parent
+    trees = {"new": here, "old": other.resolve()}
+    script = Path(__file__).resolve()
+    out: dict[str, dict[tuple[int, str], list[dict[str, float]]]] = {"new": {}, "old": {}}
+    for rep in range(args.repeats):
+        for label in (("new", "old") if rep % 2 == 0 else ("old", "new")):
+            env = {**os.environ, "PYTHONPATH": str(trees[label])}
+            cmd = [sys.executable, str(script), "--json", "--policies", "prefix_affinity", "--iterations",
+                   str(args.iterations), "--rounds", str(args.rounds), "--prompt-tokens", str(args.prompt_tokens),
+                   "--replicas", *map(str, args.replicas)]
+            proc = subprocess.run(cmd, env=env, cwd=trees[label], capture_output=True, text=True, check=True)
+            for line in proc.stdout.splitlines():
+                row = json.loads(line)
+                for step in STEPS:
+                    out[label].setdefault((row["replicas"], step), []).append(row[step])
+                if rep == 0:
+                    print(f"  {label} ({trees[label]}, calibrator {row.get('calibrated')}): {row['replicas']} "
+                          f"replicas, reasons {row['reasons']}", flush=True)
+        print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
+    print(f"\nprefix_affinity, {args.prompt_tokens}-token prompt, medians of {args.repeats} repeats (each the quietest "
+          f"of {args.rounds} rounds), new = {here}, old = {other}")
+    print(f"{'replicas':>8} {'step':<18} {'new p50/p99 µs':>18} {'old p50/p99 µs':>18} {'ratio p50 / p99':>16}   "
+          "per-repeat p50 ratios")
+    worst = 0.0
+    result = []
+    for replicas in args.replicas:
+        for step in STEPS:
+            new, old = out["new"][(replicas, step)], out["old"][(replicas, step)]
+            n50, n99 = statistics.median(r["p50_us"] for r in new), statistics.median(r["p99_us"] for r in new)
+            o50, o99 = statistics.median(r["p50_us"] for r in old), statistics.median(r["p99_us"] for r in old)
+            per = [a["p50_us"] / b["p50_us"] for a, b in zip(new, old, strict=True)]
+            if step == "choose":
+                worst = max(worst, n50 / o50)
+            result.append({"replicas": replicas, "step": step, "new_p50_us": n50, "new_p99_us": n99,
+                           "old_p50_us": o50, "old_p99_us": o99, "ratio_p50": n50 / o50, "ratio_p99": n99 / o99,
+                           "per_repeat_ratio_p50": per})
+            print(f"{replicas:>8} {step:<18} {n50:>8.1f} / {n99:<8.1f} {o50:>8.1f} / {o99:<8.1f} "
+                  f"{n50 / o50:>7.2f} / {n99 / o99:<7.2f}   {', '.join(f'{x:.2f}' for x in per)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"against": str(other), "repeats": args.repeats, "rows": result},
+                                             indent=2))
+    ok = worst <= 1.5
+    print(f"{'PASS' if ok else 'FAIL'}  choose p50 new ÷ old ≤ 1.5 at every replica count: worst {worst:.2f}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20_000)
@@ -171,9 +253,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="split the iterations into rounds; report the quietest")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="A/B against another checkout (e.g. `git worktree add ../base COMMIT`): prefix_affinity "
+                             "only, alternating subprocesses, ratios new ÷ old")
+    parser.add_argument("--repeats", type=int, default=5, help="with --against: runs of each side, alternated")
+    parser.add_argument("--out", help="with --against: write the rows as JSON here")
     args = parser.parse_args(argv)
+    if args.against is not None:
+        sys.exit(against(args.against, args))
 
-    steps = ("choose", "choose+dispatched", "prefix_blocks", "total")
+    steps = STEPS
     if not args.json:
         print(f"{'policy':<16} {'replicas':>8} " + " ".join(f"{s + ' p50/p99 µs':>28}" for s in steps))
     for policy_name in args.policies:

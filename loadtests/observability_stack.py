@@ -352,6 +352,16 @@ async def _precise(client: httpx.AsyncClient, i: int) -> str:
     return f"precise {resp.status_code}"
 
 
+async def _slo(client: httpx.AsyncClient, i: int) -> str:
+    """A streamed chat with a TTFT objective no replica can be predicted to meet: routed as slo_expected_miss (the
+    prediction-calibration panels' SLO reasons), and served, since its class is not sheddable."""
+    body = {"model": MODEL, "max_tokens": 8, "stream": True,
+            "messages": [{"role": "user", "content": f"slo {i}: {_words(random.Random(i), 60)}"}]}
+    resp = await client.post("/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "0.001"})
+    await asyncio.sleep(0.3)
+    return f"slo {resp.status_code}"
+
+
 async def _invalid(client: httpx.AsyncClient, i: int) -> str:
     if i % 2:
         resp = await client.post("/v1/chat/completions", content=b"{not json",
@@ -434,7 +444,7 @@ async def _agent(client: httpx.AsyncClient, i: int) -> str:
     return f"agent {'header' if named else 'inferred'}"
 
 
-WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver, _precise, _agent, _agent]
+WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver, _precise, _slo, _agent, _agent]
 
 
 async def drive(url: str, duration_s: float) -> Counter[str]:

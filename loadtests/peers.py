@@ -2,10 +2,17 @@
 
 - `floor`: loadtests.floor_proxy, the cheapest relay the design packages allow (uvicorn raw ASGI + aiohttp), i.e.
   the part of m3gate's cost no Python gateway on these packages avoids;
+- `floor-granian`, `floor-granian-rsgi`: the same relay on granian (Rust HTTP server) through its ASGI and its RSGI
+  interface: the ceiling of each listener stack m3gate could run on; `floor-raw`, `floor-granian-rsgi-raw`: uvicorn /
+  granian RSGI with a minimal httptools keep-alive client upstream instead of aiohttp (the client stack's share);
 - `sglang-router`: SGLang's Rust router (`sglang-router` from PyPI, round_robin), the cheapest production router
   measured on this kind of machine (../shared/reference/performance.md §6). Installed once into its own virtual
   environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
   (no registry access).
+
+- `m3gate@DIR`: m3gate as checked out in DIR (e.g. `git worktree add /tmp/base <commit>`), with the same config as
+  the m3gate under test: an A/B of two versions in the same run (`--peers floor,m3gate@/tmp/base`);
+  `m3gate-granian@DIR` the same under granian (M3GATE_LISTENER=granian), e.g. `m3gate-granian@.` for this checkout.
 
 Each runs as its own process on a free loopback port, pinned like the gateway; stop() ends it by PID.
 """
@@ -72,14 +79,35 @@ class PeerProcess:
 
 
 def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> PeerProcess:
-    """Start peer `name` ("floor" or "sglang-router") in front of `upstreams`; raises RuntimeError if it can't."""
+    """Start peer `name` ("floor", "floor-granian", "floor-granian-rsgi", "sglang-router" or "m3gate@DIR") in front of `upstreams`; raises RuntimeError if
+    it can't."""
     from gateway.launcher import free_port
 
     port = free_port()
-    folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name}-"))
+    folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name.split('@')[0]}-"))
     log = folder / "peer.log"
-    if name == "floor":
+    cwd = Path(__file__).resolve().parent.parent
+    env = None
+    if name.startswith(("m3gate@", "m3gate-granian@")):
+        import yaml
+
+        from loadtests.replicas import bench_config
+
+        cwd = Path(name.split("@", 1)[1]).resolve()
+        if not (cwd / "gateway" / "cli.py").exists():
+            raise RuntimeError(f"{cwd} is not an m3gate checkout")
+        config = folder / "pools.yaml"
+        config.write_text(yaml.safe_dump(bench_config(upstreams), sort_keys=False))
+        env = {**os.environ, "PYTHONPATH": str(cwd)}
+        if name.startswith("m3gate-granian@"):
+            env["M3GATE_LISTENER"] = "granian"
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host", "127.0.0.1", "--port",
+               str(port)]
+    elif name == "floor":
         cmd = [sys.executable, "-m", "loadtests.floor_proxy", str(port), *upstreams]
+    elif name in ("floor-granian", "floor-granian-rsgi", "floor-raw", "floor-granian-rsgi-raw"):
+        cmd = [sys.executable, "-m", "loadtests.floor_proxy", "--server", name.removeprefix("floor-"), str(port),
+               *upstreams]
     elif name == "sglang-router":
         python, why = sglang_python()
         if python is None:
@@ -90,7 +118,7 @@ def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> 
     else:
         raise ValueError(f"unknown peer {name!r}")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     peer = PeerProcess(name, f"http://127.0.0.1:{port}", proc.pid, proc, log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

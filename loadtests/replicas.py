@@ -180,6 +180,25 @@ def gateway_config(endpoints: Sequence[str], *, policy: str = "prefix_affinity",
     return cfg
 
 
+def bench_config(urls: Sequence[str]) -> dict[str, Any]:
+    """A gateway config whose admission never holds a request back (this bench measures the relay, not admission):
+    one traffic class with room for every request, and no pool saturation from replicas' queues. Falls back to the
+    plain config if this gateway version has no such settings."""
+    cfg = gateway_config(urls, policy="prefix_affinity", max_model_len=8192,
+                         extra={"server": {"health_interval_s": 2.0}})
+    permissive = {**cfg, "traffic": {
+        "classes": {"bench": {"priority": 0, "max_concurrency": 100_000, "queue_length": 100_000,
+                              "max_queue_wait_s": 600}},
+        "saturation": {"max_waiting": None, "max_kv_usage": None}}}
+    try:
+        from policies.config import GatewayConfig
+
+        GatewayConfig.model_validate(permissive)
+        return permissive
+    except Exception:  # noqa: BLE001 - an older/newer config model: use the defaults
+        return cfg
+
+
 @dataclass
 class SimPool:
     sims: list[Any]  # pools.sim.launcher.SimProcess

@@ -73,6 +73,7 @@ class RequestProfile:
     estimate_exact: bool = True  # False when a long text was estimated from samples
     budget_field: str | None = None  # the request field that set output_budget (None when defaulted)
     model_counted: bool = False  # True once prompt_tokens came from a replica's /tokenize: no margin, no recount
+    estimate_error: float = 0.0  # relative error bound of a sampled estimate (pool choice adds it to its band)
 
     @property
     def context_tokens(self) -> int:
@@ -135,6 +136,8 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
         n_videos,
         count.exact,  # estimate_exact
         budget_field,
+        False,  # model_counted
+        count.error,  # estimate_error
     )
 
 

@@ -123,6 +123,73 @@ class PreciseConfig(_Strict):
         return self
 
 
+def _check_endpoints(endpoints: list[str]) -> list[str]:
+    cleaned = []
+    for url in endpoints:
+        if not (url.startswith("http://") or url.startswith("https://")):
+            raise ValueError(f"endpoint {url!r} must start with http:// or https://")
+        cleaned.append(url.rstrip("/"))
+    if len(set(cleaned)) != len(cleaned):
+        raise ValueError("an endpoint is listed twice")
+    return cleaned
+
+
+class RoleReplicasConfig(_Strict):
+    """One side of a disaggregated pool: its replicas, listed or from DNS (as a pool's own `endpoints`/`discovery`)."""
+
+    endpoints: list[str] = Field(default_factory=list, description="Replica base URLs of this role.")
+    discovery: DnsDiscovery | None = Field(default=None, description="Replicas of this role from DNS.")
+    launch: LaunchSpec | None = Field(
+        default=None, description="How this role's replicas are started; unset: the pool's `launch:`.",
+    )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints_are_urls(cls, endpoints: list[str]) -> list[str]:
+        return _check_endpoints(endpoints)
+
+    @model_validator(mode="after")
+    def _some_replicas(self) -> RoleReplicasConfig:
+        if not self.endpoints and self.discovery is None:
+            raise ValueError("list the role's endpoints or give its discovery")
+        return self
+
+
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation (vLLM's KV-transfer protocol, as its disaggregated-serving proxy examples):
+    long uncached prompts are prefilled on a prefill replica (`kv_transfer_params.do_remote_decode`, max_tokens 1),
+    whose KV blocks a decode replica then pulls and decodes from; short or mostly-cached prompts go straight to a
+    decode replica. The replicas must be launched with `--kv-transfer-config` (`m3gate pools render`)."""
+
+    prefill: RoleReplicasConfig = Field(description="Prefill replicas (kv_role kv_producer).")
+    decode: RoleReplicasConfig = Field(description="Decode replicas (kv_role kv_consumer); they also serve the "
+                                       "requests sent straight to decode.")
+    connector: Literal["nixl"] = Field(default="nixl", description="The KV connector the replicas were launched with "
+                                       "(NixlConnector).")
+    min_uncached_tokens: int = Field(
+        default=4096, ge=0, description="Prompts with fewer tokens than this not already cached on the decode "
+        "replica they would go to are sent straight to it (prefilled there); 0: every request is disaggregated.",
+    )
+    transfer_timeout_s: float = Field(
+        default=60.0, gt=0, description="Longest wait, after the prefill answered, for the decode replica's first "
+        "token (the KV pull included); beyond it the request fails with a 504 kv_transfer_timeout.",
+    )
+    kv_lease_s: float = Field(
+        default=30.0, gt=0, description="The prefill replicas' kv_lease_duration: a decode retry later than this "
+        "after the prefill prefills again (the blocks may be gone).",
+    )
+    prefill_timeout_s: float | None = Field(
+        default=None, gt=0, description="Longest prefill call; unset: server.upstream_read_timeout_s.",
+    )
+
+    @model_validator(mode="after")
+    def _roles_apart(self) -> DisaggregationConfig:
+        both = sorted(set(self.prefill.endpoints) & set(self.decode.endpoints))
+        if both:
+            raise ValueError(f"a replica is either prefill or decode, not both: {both}")
+        return self
+
+
 class PoolConfig(_Strict):
     """A pool: vLLM replicas launched with the same `--max-model-len` and modalities."""
 
@@ -147,18 +214,22 @@ class PoolConfig(_Strict):
     precise: PreciseConfig | None = Field(
         default=None, description="Precise prefix routing from the replicas' KV events (prefix_affinity only).",
     )
+    disaggregation: DisaggregationConfig | None = Field(
+        default=None, description="Prefill and decode replicas instead of `endpoints`/`discovery` (deploy/README.md, "
+        "\"Disaggregated prefill/decode\").",
+    )
 
     @field_validator("endpoints")
     @classmethod
     def _endpoints_are_urls(cls, endpoints: list[str]) -> list[str]:
-        cleaned = []
-        for url in endpoints:
-            if not (url.startswith("http://") or url.startswith("https://")):
-                raise ValueError(f"endpoint {url!r} must start with http:// or https://")
-            cleaned.append(url.rstrip("/"))
-        if len(set(cleaned)) != len(cleaned):
-            raise ValueError("an endpoint is listed twice")
-        return cleaned
+        return _check_endpoints(endpoints)
+
+    @model_validator(mode="after")
+    def _replicas_one_way(self) -> PoolConfig:
+        if self.disaggregation is not None and (self.endpoints or self.discovery is not None):
+            raise ValueError("a disaggregated pool lists its replicas under disaggregation.prefill/decode, "
+                             "not in endpoints or discovery")
+        return self
 
     @field_validator("modalities")
     @classmethod
@@ -171,6 +242,10 @@ class PoolConfig(_Strict):
     def _launch_fits_pool(self) -> PoolConfig:
         if self.launch is not None:
             self.launch.check_pool(self)  # LaunchError is a ValueError: reported at the pool's line
+        if self.disaggregation is not None:
+            for side in (self.disaggregation.prefill, self.disaggregation.decode):
+                if side.launch is not None:
+                    side.launch.check_pool(self)
         return self
 
 
@@ -206,7 +281,8 @@ class ClassificationConfig(_Strict):
     image_tokens_max: int = Field(default=16384, gt=0)
     video_tokens_default: int = Field(default=8192, gt=0)
     full_count_below_chars: int = Field(
-        default=200_000, gt=0, description="Texts longer than this are estimated from samples, not fully tokenized."
+        default=16_384, gt=0, description="Texts this long or longer are estimated from evenly spaced samples "
+        "(with a stated error bound), not fully tokenized; near a pool's limit the pool's /tokenize counts exactly."
     )
 
 
@@ -235,6 +311,12 @@ class ServerConfig(_Strict):
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="Longest silence from a replica.")
     health_interval_s: float = Field(default=2.0, gt=0)
+    listener: Literal["uvicorn", "granian"] = Field(
+        default="uvicorn",
+        description="The HTTP server in front of the app: uvicorn (uvloop + httptools, hardened) or granian (Rust, "
+                    "hyper; experimental, see README Performance). Read at start; the M3GATE_LISTENER environment "
+                    "variable overrides it.",
+    )
 
 
 class AdminConfig(_Strict):

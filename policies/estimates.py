@@ -61,18 +61,24 @@ class TokenEstimateRatios:
     log each real shift once rather than every sample."""
 
     def __init__(self, alpha: float = 0.3, low: float = 0.5, high: float = 8.0, min_samples: int = 3,
-                 report_change: float = 0.1) -> None:
+                 report_change: float = 0.1, dead_band: float = 0.05) -> None:
         self.alpha = alpha
         self.low = low
         self.high = high
         self.min_samples = min_samples
         self.report_change = report_change
+        self.dead_band = dead_band  # a ratio this close to 1 is within the estimate's margin: not applied
         self._ratios: dict[str, _Ratio] = {}
         self._reported: dict[str, float] = {}
 
     def ratio(self, pool: str) -> float:
+        """What to multiply the pool's estimates by: 1.0 until trusted, and while within `dead_band` of 1 (the
+        classification's safety margin and boundary band absorb that much; a correction would only cost a second
+        pool choice per request)."""
         entry = self._ratios.get(pool)
-        return entry.value if entry is not None and entry.samples >= self.min_samples else 1.0
+        if entry is None or entry.samples < self.min_samples or abs(entry.value - 1.0) <= self.dead_band:
+            return 1.0
+        return entry.value
 
     def observe(self, pool: str, estimated: int, actual: int) -> bool:
         """One answer: the replica counted `actual` prompt tokens for a prompt the gateway estimated at

@@ -56,8 +56,13 @@ OWNED_FLAGS: frozenset[str] = frozenset({
     "--reasoning-parser", "--enable-auto-tool-choice", "--served-model-name", "--port", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--kv-events-config", "--enable-prompt-tokens-details",
     "--enable-server-load-tracking", "--otlp-traces-endpoint", "--collect-detailed-traces", "--api-key",
-    "--scheduling-policy",
+    "--scheduling-policy", "--kv-transfer-config",
 })
+# vLLM's NixlConnector: the role each side of a disaggregated pool is launched with, and NIXL's side channel (the
+# decode replicas connect to the prefill replicas' VLLM_NIXL_SIDE_CHANNEL_HOST:PORT to read their blocks).
+KV_CONNECTORS: Mapping[str, str] = {"nixl": "NixlConnector"}
+KV_ROLES: Mapping[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+NIXL_SIDE_CHANNEL_PORT = 5600
 
 
 class LaunchError(ValueError):
@@ -197,10 +202,11 @@ class ServeCommand:
     argv: list[str]
     env: dict[str, str]
     kv_events_ports: tuple[int, ...] = field(default=())
+    role: str = ""  # "prefill" | "decode" in a disaggregated pool
 
     @property
     def name(self) -> str:
-        return f"{self.pool}-{self.replica}"
+        return f"{self.pool}-{self.role}-{self.replica}" if self.role else f"{self.pool}-{self.replica}"
 
     @property
     def container_args(self) -> list[str]:
@@ -227,12 +233,35 @@ class ServeCommand:
         return {
             "pool": self.pool, "replica": self.replica, "name": self.name, "image": self.image, "gpus": self.gpus,
             "gpu_resource": self.gpu_resource, "port": self.port, "argv": self.argv, "env": self.env,
-            "kv_events_ports": list(self.kv_events_ports), "shell": self.shell,
+            "kv_events_ports": list(self.kv_events_ports), "role": self.role or None, "shell": self.shell,
         }
 
 
+def kv_transfer_config(role: str, connector: str, lease_s: float) -> dict[str, object]:
+    """`--kv-transfer-config` of one side of a disaggregated pool (vLLM 0.32's NixlConnector, pull mode)."""
+    return {"kv_connector": KV_CONNECTORS[connector], "kv_role": KV_ROLES[role],
+            "kv_connector_extra_config": {"kv_lease_duration": int(lease_s) if lease_s == int(lease_s) else lease_s}}
+
+
+def role_launches(pool: PoolLike) -> dict[str, LaunchSpec | None]:
+    """A disaggregated pool's launch spec per role (the role's own `launch:`, else the pool's); {} otherwise."""
+    d = getattr(pool, "disaggregation", None)
+    if d is None:
+        return {}
+    return {role: getattr(d, role).launch or pool.launch for role in ("prefill", "decode")}
+
+
+def renderable(pool: PoolLike) -> bool:
+    roles = role_launches(pool)
+    return all(roles.values()) if roles else pool.launch is not None
+
+
 def render(pool: PoolLike, model: str) -> list[ServeCommand]:
-    """The `vllm serve` command of each replica of `pool`, serving it under the gateway's model id `model`."""
+    """The `vllm serve` command of each replica of `pool`, serving it under the gateway's model id `model`; for a
+    disaggregated pool, its prefill replicas' then its decode replicas'."""
+    roles = role_launches(pool)
+    if roles:
+        return [cmd for role, spec in roles.items() for cmd in _render_role(pool, model, role, spec)]
     spec = pool.launch
     if spec is None:
         raise LaunchError(f"pool {pool.name!r} has no `launch:` section to render")
@@ -247,14 +276,35 @@ def render(pool: PoolLike, model: str) -> list[ServeCommand]:
     ]
 
 
+def _render_role(pool: PoolLike, model: str, role: str, spec: LaunchSpec | None) -> list[ServeCommand]:
+    if spec is None:
+        raise LaunchError(f"pool {pool.name!r}: neither disaggregation.{role}.launch nor the pool's `launch:` "
+                          f"says how to start its {role} replicas")
+    d = getattr(pool, "disaggregation")
+    argv, env = _build(spec, pool, served_model=model)
+    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(role, d.connector, d.kv_lease_s),
+                                                separators=(",", ":"))]
+    env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(NIXL_SIDE_CHANNEL_PORT))
+    if "OTEL_SERVICE_NAME" in env and "OTEL_SERVICE_NAME" not in spec.extra_env:
+        env["OTEL_SERVICE_NAME"] = f"vllm-{pool.name}-{role}"  # the two sides' spans apart in the trace
+    return [
+        ServeCommand(
+            pool=pool.name, replica=i, image=spec.resolved_image, gpus=spec.gpus_per_replica,
+            gpu_resource=spec.gpu_resource, port=spec.port, argv=list(argv), env=dict(env),
+            kv_events_ports=spec.kv_events_ports if spec.kv_events else (), role=role,
+        )
+        for i in range(spec.replicas)
+    ]
+
+
 def render_config(config: ConfigLike, pool_name: str | None = None) -> list[ServeCommand]:
     """Every replica of every pool that has a launch section (or of the one named)."""
     pools = [p for p in config.pools if pool_name is None or p.name == pool_name]
     if pool_name is not None and not pools:
         raise LaunchError(f"no pool named {pool_name!r}; pools: {', '.join(p.name for p in config.pools)}")
-    if pool_name is not None and pools[0].launch is None:
+    if pool_name is not None and not renderable(pools[0]):
         raise LaunchError(f"pool {pool_name!r} has no `launch:` section to render")
-    return [cmd for p in pools if p.launch is not None for cmd in render(p, config.model)]
+    return [cmd for p in pools if renderable(p) for cmd in render(p, config.model)]
 
 
 def format_commands(commands: Sequence[ServeCommand], fmt: Literal["shell", "json"]) -> str:
@@ -262,7 +312,7 @@ def format_commands(commands: Sequence[ServeCommand], fmt: Literal["shell", "jso
         return json.dumps([c.to_json() for c in commands], indent=2) + "\n"
     blocks = []
     for c in commands:
-        header = f"# pool {c.pool}, replica {c.replica}: image {c.image}, {c.gpus} GPU(s) ({c.gpu_resource}), port {c.port}"
+        header = f"# pool {c.pool}, {c.role + ' ' if c.role else ''}replica {c.replica}: image {c.image}, {c.gpus} GPU(s) ({c.gpu_resource}), port {c.port}"
         if c.kv_events_ports:
             header += f", KV events on {', '.join(map(str, c.kv_events_ports))}"
         blocks.append(f"{header}\n{c.shell}\n")

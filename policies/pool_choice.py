@@ -4,9 +4,10 @@ Small pools give short requests fast first tokens; big ones are scarce (a 1M-tok
 request goes to the smallest pool that can hold its prompt (plus a safety margin for the estimate) and its output
 budget. When that pool is saturated it may spill to larger ones, never to smaller ones (they cannot hold it).
 
-Near a limit the estimate is not good enough to decide: when the prompt estimate moved by ±`boundary_band` would land
-on the other side of the chosen pool's limit (or of the next smaller pool's), `needs_exact_count` asks the gateway for
-the model's own count (a replica's /tokenize); it then calls `choose_pool` again with `with_exact_prompt_tokens`.
+Near a limit the estimate is not good enough to decide: when the prompt estimate moved by ±`boundary_band` (combined
+with the estimate's own error bound when it was sampled, `RequestProfile.estimate_error`) would land on the other side
+of the chosen pool's limit (or of the next smaller pool's), `needs_exact_count` asks the gateway for the model's own
+count (a replica's /tokenize); it then calls `choose_pool` again with `with_exact_prompt_tokens`.
 Only the prompt is uncertain, so a small prompt with a large max_tokens is never recounted. A request just over the
 largest pool is likewise recounted ("near_limit") before it is refused.
 """
@@ -49,7 +50,7 @@ class PoolChoice:
 
 def with_exact_prompt_tokens(profile: RequestProfile, prompt_tokens: int) -> RequestProfile:
     """The profile re-counted by the model's tokenizer: no safety margin applies and no further count is needed."""
-    return replace(profile, prompt_tokens=prompt_tokens, estimate_exact=True, model_counted=True)
+    return replace(profile, prompt_tokens=prompt_tokens, estimate_exact=True, model_counted=True, estimate_error=0.0)
 
 
 def with_learned_ratio(profile: RequestProfile, ratio: float) -> RequestProfile:
@@ -145,9 +146,15 @@ class _Need:
         self.prompt = math.ceil(profile.prompt_tokens * self.margin_factor)
         self.full = self.prompt + profile.output_budget
         self.may_recount = cfg.exact_count_near_boundary and not profile.model_counted
-        self.prompt_high = math.ceil(profile.prompt_tokens * (1 + cfg.boundary_band))
+        # A sampled estimate carries its own error bound, independent of the tokenizers' disagreement that the band
+        # covers: the two combine in quadrature (10% and 5% make 11.2%). Even the plain band alone recounts every
+        # request whose pool an exact count could change while the estimate errs by -6% to +14% (the margin and
+        # the band's asymmetry: see test_pool_choice); the widening keeps the band's full slack for the tokenizers.
+        error = profile.estimate_error
+        band = math.hypot(cfg.boundary_band, error) if error else cfg.boundary_band
+        self.prompt_high = math.ceil(profile.prompt_tokens * (1 + band))
         self.full_high = self.prompt_high + profile.output_budget
-        self.full_low = math.floor(profile.prompt_tokens * (1 - cfg.boundary_band)) + profile.output_budget
+        self.full_low = math.floor(profile.prompt_tokens * max(0.0, 1 - band)) + profile.output_budget
 
     def might_not_fit(self, limit: int, prompt_only: bool = False) -> bool:
         """It fits `limit` as estimated, but a prompt a band larger would not: worth an exact count."""

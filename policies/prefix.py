@@ -101,20 +101,66 @@ def prefix_blocks(body: dict[str, Any], api: str, model: str, block_chars: int =
     if not isinstance(body, dict):
         return ()
     try:
-        data = render_prefix(body, api)
-    except Exception:  # noqa: BLE001 - odd input must never fail routing; render_prefix already degrades per field
+        parts = _render_parts(body, api)
+    except Exception:  # noqa: BLE001 - odd input must never fail routing; _render_parts already degrades per field
         return ()
-    return chain_hashes(data, prefix_seed(model, body.get("cache_salt")), block_chars)
+    return _chain_parts(parts, prefix_seed(model, body.get("cache_salt")), block_chars)
 
 
 def render_prefix(body: dict[str, Any], api: str) -> bytes:
     """The canonical byte rendering of the prompt that `prefix_blocks` hashes (exposed for tests and debugging)."""
+    return b"".join(_render_parts(body, api))
+
+
+def _render_parts(body: dict[str, Any], api: str) -> list[bytes]:
+    """render_prefix's bytes as the pieces rendered, not joined (a 1M-token prompt is ~3 MB to copy)."""
     out: list[bytes] = []
     renderer = _RENDERERS.get(API_ALIASES.get(api, api))
     if renderer is not None and isinstance(body, dict):
         with contextlib.suppress(Exception):  # odd input: keep whatever was rendered before the odd field
             renderer(body, out)
-    return b"".join(out)
+    return out
+
+
+# Parts at least this long are hashed where they lie; shorter ones (role markers, short turns) are gathered first.
+_IN_PLACE_BYTES = 16_384
+
+
+def _chain_parts(parts: list[bytes], seed: int, block_bytes: int) -> tuple[int, ...]:
+    """chain_hashes(b"".join(parts), seed, block_bytes), without copying the long parts into one buffer."""
+    if block_bytes <= 0:
+        return ()
+    if sum(map(len, parts)) < 4 * _IN_PLACE_BYTES:
+        return chain_hashes(b"".join(parts), seed, block_bytes)
+    hashes: list[int] = []
+    pending: list[bytes] = []  # short parts not hashed yet, and the tail of the last long one
+    pending_bytes = 0
+    parent = seed
+    for part in parts:
+        if len(part) < _IN_PLACE_BYTES:
+            pending.append(part)
+            pending_bytes += len(part)
+            continue
+        head = -pending_bytes % block_bytes  # the bytes of this part that complete the pending ones' last block
+        pending.append(part[:head])
+        parent = _chain_into(b"".join(pending), parent, block_bytes, hashes)
+        view = memoryview(part)
+        whole = head + (len(part) - head) // block_bytes * block_bytes
+        parent = _chain_into(view[head:whole], parent, block_bytes, hashes)
+        pending = [part[whole:]]
+        pending_bytes = len(part) - whole
+    _chain_into(b"".join(pending), parent, block_bytes, hashes)
+    return tuple(hashes)
+
+
+def _chain_into(data: bytes | memoryview, parent: int, block_bytes: int, hashes: list[int]) -> int:
+    """Append the chained hashes of data's whole blocks to `hashes`; returns the last (or `parent`)."""
+    view = memoryview(data)
+    append = hashes.append
+    for start in range(0, len(data) - len(data) % block_bytes, block_bytes):
+        parent = _hash(view[start : start + block_bytes], parent)
+        append(parent)
+    return parent
 
 
 # ---------------------------------------------------------------------------------------------------------------

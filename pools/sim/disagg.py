@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -86,6 +87,8 @@ class NixlConnector:
         self.engine_id = self.config.engine_id or str(uuid.uuid4())
         host = settings.host
         self.host = "localhost" if host in ("0.0.0.0", "::", "") else host
+        # as vLLM, the address handed to decode replicas may be set apart from the listen address (containers)
+        self.host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or self.host
         self.port = settings.port  # the server sets the bound port (`--port 0`)
         self.held: dict[str, Held] = {}
         self.counters = TransferCounters()

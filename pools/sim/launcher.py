@@ -131,7 +131,7 @@ def _healthy(url: str, deadline: float) -> bool:
 
 
 def start_sim(max_model_len: int, *, model: str = "MiniMaxAI/MiniMax-M3", extra_args: Sequence[str] = (),
-              port: int | None = None, env: Mapping[str, str] | None = None, timeout: float = 20.0) -> SimProcess:
+              port: int | None = None, env: Mapping[str, str] | None = None, timeout: float = 60.0) -> SimProcess:
     """Run `python -m pools.sim` on 127.0.0.1 (a free port unless `port` is given) and wait until it answers."""
     cmd = [sys.executable, "-m", "pools.sim", "--host", "127.0.0.1", "--port", str(port or 0),
            "--max-model-len", str(max_model_len), "--model", model, *extra_args]

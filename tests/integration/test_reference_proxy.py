@@ -1,10 +1,13 @@
-"""The overhead bench's measuring stick (loadtests.floor_proxy) must really relay, or its figures mean nothing:
-a non-streaming and a streamed chat through it must come back exactly as the simulated replica answers them."""
+"""The overhead bench's measuring sticks (loadtests.floor_proxy, each listener / client variant) must really relay,
+or their figures mean nothing: a non-streaming and a streamed chat through each must come back exactly as the
+simulated replica answers them."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
+
+import pytest
 
 from loadtests.peers import start_peer
 from pools.sim.launcher import running_sims
@@ -16,11 +19,15 @@ def _post(url: str, body: dict) -> tuple[int, bytes, str]:
         return resp.status, resp.read(), resp.headers.get("content-type", "")
 
 
-def test_floor_proxy_relays_plain_and_streamed_answers() -> None:
+@pytest.mark.parametrize("name", ["floor", "floor-raw", "floor-granian", "floor-granian-rsgi",
+                                  "floor-granian-rsgi-raw"])
+def test_floor_proxy_relays_plain_and_streamed_answers(name: str) -> None:
+    if name.startswith("floor-granian"):
+        pytest.importorskip("granian")
     body = {"model": "MiniMaxAI/MiniMax-M3", "messages": [{"role": "user", "content": "hello there"}],
             "max_tokens": 5, "ignore_eos": True, "seed": 1, "temperature": 0}
     with running_sims([{"max_model_len": 4096, "extra_args": ["--instant"]}]) as sims:
-        peer = start_peer("floor", [sims[0].url])
+        peer = start_peer(name, [sims[0].url])
         try:
             status, raw, ctype = _post(peer.url + "/v1/chat/completions", body)
             assert status == 200 and ctype.startswith("application/json")

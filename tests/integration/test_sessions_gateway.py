@@ -6,7 +6,6 @@ session whose turns alternate between them as one, with the right turnaround."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,18 +31,6 @@ def sims() -> Iterator[list[SimProcess]]:
     with running_sims([{"max_model_len": 8192, "extra_args": ["--instant", "--mean-output-tokens", "8"]}
                        for _ in range(2)]) as procs:
         yield procs
-
-
-@pytest.fixture(scope="module")
-def private_redis() -> Iterator[PrivateRedis]:
-    if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
-        pytest.skip("redis-server is not installed")
-    server = PrivateRedis(db=7)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _config(sims: list[SimProcess], **extra: Any) -> dict[str, Any]:

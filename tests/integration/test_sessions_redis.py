@@ -9,42 +9,17 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 
 import pytest
-import redis.asyncio as aioredis
 
 from policies.sessions import SessionIdentity, history_keys, identify, tool_result_ids, turn_kind
 from policies.snapshot import RoutingRequest
 from pools.sessions import SessionStore
 from pools.shared_state import RedisState
+from tests.support.shared import SHARED_REDIS, eventually
 
-SHARED_REDIS = "redis://127.0.0.1:6379/7"
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-
-
-async def eventually(check: Callable[[], bool], within: float, step: float = 0.005) -> float:
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > within:
-            raise AssertionError(f"condition not met within {within}s")
-        await asyncio.sleep(step)
-    return time.monotonic() - start
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    key_prefix = f"m3gate-test:{uuid.uuid4().hex}:"
-    yield key_prefix
-    client = aioredis.Redis.from_url(SHARED_REDIS)
-    try:
-        keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 def _no_dispatch(pool: str, replica: str, request: RoutingRequest) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import string
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,18 +29,6 @@ from pools.sim.launcher import SimProcess, running_sims
 from loadtests.private_redis import PrivateRedis
 
 MODEL = "MiniMaxAI/MiniMax-M3"
-
-
-@pytest.fixture(scope="module")
-def private_redis() -> Iterator[PrivateRedis]:
-    if subprocess.run(["which", "redis-server"], capture_output=True).returncode:
-        pytest.skip("redis-server is not installed")
-    server = PrivateRedis(db=7)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

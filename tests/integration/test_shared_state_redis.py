@@ -15,8 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,9 @@ import redis.asyncio as aioredis
 
 from policies.snapshot import RoutingRequest
 from pools.shared_state import RedisState
+from tests.support.shared import SHARED_REDIS, eventually
 from loadtests.private_redis import PrivateRedis
 
-SHARED_REDIS = "redis://127.0.0.1:6379/7"
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -43,30 +41,6 @@ class Applied:
 
     def replicas(self) -> list[str]:
         return [c[2] for c in self.calls]
-
-
-async def eventually(check: Callable[[], bool], within: float, step: float = 0.01) -> float:
-    """Seconds until `check()` held; fails the test after `within` seconds."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > within:
-            raise AssertionError(f"condition not met within {within}s")
-        await asyncio.sleep(step)
-    return time.monotonic() - start
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    """A key prefix no other test uses; its keys (and only they) are deleted afterwards."""
-    key_prefix = f"m3gate-test:{uuid.uuid4().hex}:"
-    yield key_prefix
-    client = aioredis.Redis.from_url(SHARED_REDIS)
-    try:
-        keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 def _state(url: str, prefix: str, applied: Applied, counts: dict[str, int], **kwargs: object) -> RedisState:
@@ -173,16 +147,6 @@ async def test_a_crashed_gateways_in_flight_expires_by_ttl(prefix: str, crashed_
 
 
 # -- outage: a Redis of our own, stopped and restarted -------------------------------------------------------------
-
-
-@pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
-    server = PrivateRedis(db=7)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_redis_outage_routes_locally_then_resynchronises(

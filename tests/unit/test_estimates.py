@@ -54,6 +54,9 @@ def test_the_ratio_is_trusted_after_min_samples_and_bounded() -> None:
         ratios.observe("p", 10, 10_000)  # 1000x: clamped to the bound
     assert ratios.ratio("p") == pytest.approx(8.0, rel=1e-3)
     assert ratios.observe("p", 0, 100) is False and ratios.observe("p", 100, 0) is False  # nothing to learn
+    close = TokenEstimateRatios(min_samples=1, dead_band=0.05)
+    close.observe("q", 1000, 1040)
+    assert close.ratio("q") == 1.0  # within the estimate's own margin: not worth a second pool choice
     ratios.keep_only({"q"})
     assert ratios.view() == {}
 

@@ -16,11 +16,12 @@ def test_replica_snapshot_fields_land_by_name() -> None:
     replica = Replica(url="http://10.0.0.1:8000", pool="p", block_size=64, kv_blocks=777, healthy=True,
                       draining=True, ejected_until=5.0, in_flight=3, in_flight_tokens=4000,
                       scraped=ScrapedLoad(waiting=2.0, running=6.0, kv_usage=0.5), scraped_at=90.0,
-                      prefill_s_per_token=1e-5, tpot_s=0.03)
+                      prefill_s_per_token=1e-5, tpot_s=0.03, prefill_tokens=1234)
     snap = replica.snapshot(100.0, remote_in_flight=2)
     assert snap == ReplicaSnapshot(url="http://10.0.0.1:8000", pool="p", healthy=True, draining=True, in_flight=5,
                                    in_flight_tokens=4000, waiting=2.0, running=6.0, kv_usage=0.5, metrics_age_s=10.0,
-                                   prefill_s_per_token=1e-5, tpot_s=0.03, kv_blocks=777, block_size=64)
+                                   prefill_s_per_token=1e-5, tpot_s=0.03, kv_blocks=777, block_size=64,
+                                   prefill_tokens=1234)
     assert replica.snapshot(4.0).healthy is False  # still ejected
     never = Replica(url="u", pool="p").snapshot(1.0)
     assert (never.waiting, never.running, never.kv_usage, never.metrics_age_s) == (None, None, None, None)
@@ -37,13 +38,17 @@ def test_request_profile_fields_land_by_name() -> None:
     profile = classify(body, "chat", cfg, TokenCounter(cfg))
     assert {f.name for f in dataclasses.fields(RequestProfile)} == {
         "api", "model", "prompt_tokens", "output_budget", "budget_explicit", "modalities", "thinking_mode", "stream",
-        "n_images", "n_videos", "estimate_exact", "budget_field", "model_counted"}
+        "n_images", "n_videos", "estimate_exact", "budget_field", "model_counted", "estimate_error"}
     assert profile.api == "chat" and profile.model == "m" and profile.stream is True
     assert profile.output_budget == 77 and profile.budget_explicit is True
     assert profile.budget_field == "max_completion_tokens" and profile.thinking_mode == "disabled"
     assert profile.modalities == frozenset({"text", "image", "video"})
     assert (profile.n_images, profile.n_videos, profile.estimate_exact, profile.model_counted) == (1, 1, True, False)
+    assert profile.estimate_error == 0.0
     assert profile.prompt_tokens > cfg.image_tokens_default + cfg.video_tokens_default
+    sampled = classify({"messages": [{"role": "user", "content": "word and number 12 " * 2000}]}, "chat", cfg,
+                       TokenCounter(cfg))
+    assert sampled.estimate_exact is False and 0 < sampled.estimate_error < 0.1 and sampled.model_counted is False
     plain = classify({"messages": [{"role": "user", "content": "hi"}]}, "chat", cfg, TokenCounter(cfg))
     assert plain.modalities == frozenset({"text"}) and plain.model is None and plain.stream is False
     assert plain.budget_explicit is False and plain.budget_field is None

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench_classify import TextCorpus, text_with_tokens
+from loadtests.agent_corpus import TextCorpus, text_with_tokens
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens
@@ -70,7 +70,8 @@ def test_short_chat_goes_to_the_interactive_pool(counter: TokenCounter) -> None:
 
 def test_60k_prompt_goes_to_the_repository_pool(counter: TokenCounter, text_of: Any) -> None:
     profile = chat_profile(counter, text_of(60_000))
-    assert profile.prompt_tokens == pytest.approx(60_000, rel=0.01)
+    assert not profile.estimate_exact  # sampled, within the bound it states
+    assert profile.prompt_tokens == pytest.approx(60_000, rel=profile.estimate_error)
     choice = choose(profile)
     assert choice.pool == REPOSITORY and names(choice) == ["repository", "extended"]
 
@@ -252,3 +253,57 @@ def test_the_exact_count_carries_no_safety_margin() -> None:
                              modalities=frozenset({"text"}), thinking_mode="adaptive", stream=False)
     assert choose(profile).pool == REPOSITORY
     assert choose(with_exact_prompt_tokens(profile, 32_000)).pool == INTERACTIVE
+
+
+def test_a_sampled_estimate_widens_the_band_by_its_error_bound() -> None:
+    """22,000 estimated + 4,096 of output: 10% more (28.7K) still fits 32K, so an exact estimate is not recounted;
+    the same number sampled with a ±30% bound (combined with the band: ±31.6%) could be 29K of prompt, past 32K
+    with its output: recounted. The two combine in quadrature: ±3% barely widens the band."""
+    def profile(error: float) -> RequestProfile:
+        return RequestProfile(api="chat", model=None, prompt_tokens=22_000, output_budget=4_096, budget_explicit=True,
+                              modalities=frozenset({"text"}), thinking_mode="disabled", stream=False,
+                              estimate_exact=error == 0.0, estimate_error=error)
+
+    assert choose(profile(0.0)).pool == INTERACTIVE and not choose(profile(0.0)).needs_exact_count
+    widened = choose(profile(0.3))
+    assert widened.pool == INTERACTIVE and widened.needs_exact_count
+    assert not choose(profile(0.03)).needs_exact_count
+    assert with_exact_prompt_tokens(profile(0.3), 22_500).estimate_error == 0.0
+
+
+@pytest.mark.parametrize("limit_pool", [INTERACTIVE, REPOSITORY])
+def test_near_a_boundary_sampling_never_changes_the_pool_unnoticed(limit_pool: PoolConfig) -> None:
+    """Chats of mixed text from 80% to 120% of a pool's limit, classified from a sample and from a full count: either
+    both choose the same pool, or the sampled one asks for the exact count (which then decides as the full one)."""
+    corpus = TextCorpus()
+    exact_cfg = CFG.model_copy(update={"full_count_below_chars": 10**9})
+    sampled_counter = TokenCounter(CFG)
+    exact_counter = TokenCounter(exact_cfg)
+    disabled = {"chat_template_kwargs": {"thinking_mode": "disabled"}}
+    rng = random.Random(limit_pool.name)
+    limit = limit_pool.max_model_len - 4_096
+    for step in range(9):
+        n_tokens = int(limit * (0.8 + 0.05 * step))
+        text = text_with_tokens(corpus, "mixed", n_tokens, rng)
+        body = {"messages": [{"role": "user", "content": text}], **disabled}
+        sampled = classify(body, "chat", CFG, sampled_counter)
+        exact = classify(body, "chat", exact_cfg, exact_counter)
+        assert not sampled.estimate_exact and exact.estimate_exact
+        by_sample, by_count = choose(sampled), choose(exact)
+        assert by_sample.pool == by_count.pool or by_sample.needs_exact_count, (n_tokens, sampled, exact)
+
+
+@pytest.mark.parametrize("error", [-0.06, -0.03, 0.0, 0.05, 0.14])
+def test_the_plain_band_already_recounts_whatever_an_error_could_move(error: float) -> None:
+    """Why the band needs only a quadrature widening: for an estimate off by -6% to +14%, the pool chosen from it
+    differs from the pool chosen from the true count only when the plain band asks for an exact count anyway."""
+    cfg = CFG.model_copy(update={"exact_count_near_boundary": True})
+    for true_prompt in range(20_000, 160_000, 250):
+        for budget in (16, 4_096, 16_384):
+            def profile(tokens: int) -> RequestProfile:
+                return RequestProfile(api="chat", model=None, prompt_tokens=tokens, output_budget=budget,
+                                      budget_explicit=True, modalities=frozenset({"text"}),
+                                      thinking_mode="adaptive", stream=False)
+            truth = choose_pool(profile(true_prompt), POOLS, cfg)
+            estimate = choose_pool(profile(round(true_prompt * (1 + error))), POOLS, cfg)
+            assert estimate.pool == truth.pool or estimate.needs_exact_count, (true_prompt, budget)

@@ -6,6 +6,7 @@ import random
 import string
 import time
 
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -257,3 +258,22 @@ def test_a_1m_token_prompt_takes_a_few_milliseconds() -> None:
     seconds = _best_of(lambda: prefix_blocks(body, "chat", MODEL), repeat=3, number=3)
     assert len(prefix_blocks(body, "chat", MODEL)) == 4_000_000 // 512
     assert seconds < 15e-3, f"{seconds * 1e3:.1f} ms"  # ~1.5 ms here
+
+
+@pytest.mark.parametrize("block", [512, 100, 4096])
+def test_long_parts_hash_in_place_as_the_joined_rendering_would(block: int) -> None:
+    """prefix_blocks hashes long messages where they lie instead of joining the rendering: the same hashes, whatever
+    the lengths of the long and short pieces around block boundaries (ASCII, CJK, tool calls between them)."""
+    rng = random.Random(block)
+    for _ in range(20):
+        messages: list[dict[str, object]] = [{"role": "system", "content": "be brief"}]
+        for i in range(rng.randint(1, 12)):
+            size = rng.choice([0, 1, 511, 512, 513, 16_383, 16_384, 16_385, 40_000, 100_003])
+            text = rng.choice(["a", "é", "网", "x y "]) * (size // 2 + 1)
+            messages.append({"role": rng.choice(["user", "assistant", "tool"]), "content": text[:size]})
+            if i % 3 == 1:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}" * i}}]})
+        body = {"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}
+        expected = chain_hashes(render_prefix(body, "chat"), prefix_seed("m"), block)
+        assert prefix_blocks(body, "chat", "m", block) == expected
