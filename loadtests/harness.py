@@ -49,6 +49,19 @@ def gateway_replicas(gateway_url: str, admin_key: str | None = None) -> list[str
     return [url for pool in pools.values() for url in pool.get("replicas", {})]
 
 
+def gateway_sessions(gateway_url: str, admin_key: str | None = None) -> list[dict[str, Any]] | None:
+    """A gateway's open and recently ended sessions (GET /admin/sessions?limit=1000); None when it has none to show."""
+    req = urllib.request.Request(gateway_url.rstrip("/") + "/admin/sessions?limit=1000")
+    if admin_key:
+        req.add_header("authorization", f"Bearer {admin_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            body = json.loads(resp.read())
+        return list(body["open"]) + list(body["recent"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def execute(plan: Plan, target: Target, *, replicas: Sequence[str] = (), out_dir: Path | None = None,
             oracle: bool = True, plots: bool = True, progress: bool | None = None, quiet: bool = False,
             extra: Mapping[str, Any] | None = None, **run_kwargs: Any) -> tuple[dict[str, Any], RunOutput]:
@@ -61,7 +74,9 @@ def execute(plan: Plan, target: Target, *, replicas: Sequence[str] = (), out_dir
         from loadtests.oracle import oracle_hit_rates
 
         oracle_rates = oracle_hit_rates(plan, sent=[r.index for r in run.results])
-    report = build_report(plan, run, replicas=replicas, cache=cache, oracle=oracle_rates, extra=extra)
+    seen = gateway_sessions(target.gateway) if target.gateway and plan.sessions() else None
+    report = build_report(plan, run, replicas=replicas, cache=cache, oracle=oracle_rates, extra=extra,
+                          sessions_seen=seen)
     if out_dir is not None:
         write_report(report, run, out_dir, plan, plots=plots)
         report["files"] = str(out_dir)

@@ -6,7 +6,9 @@ The pools are chosen so that each signal the dashboards and alerts watch actuall
 `interactive` has a replica that fails 30% of requests (retries, ejections) and one that answers after 3 s (TTFT over
 target); `long` has a KV cache that two concurrent long prompts fill past 90% (KV alert, waiting requests); `flaky`
 fails half its requests with no second replica (5xx ratio); `dead` has a replica that is not running (no healthy
-replica, scrape target down); `precise` routes from its replicas' KV events (`precise:` on, the tiny test tokenizer)
+replica, scrape target down); `agent` takes agent sessions (tool loops with tool waits and think time, half of them
+naming their session in a header and ending it with `x-dynamo-session-final`, half found by tool-call ids and
+history and ended by a short idle timeout) for the session series; `precise` routes from its replicas' KV events (`precise:` on, the tiny test tokenizer)
 where one replica publishes them and the other does not (exact scorings, index freshness, event counters, and
 fallbacks to the estimate). The shared-state Redis URL points at a closed port (Redis down), and Prometheus also
 scrapes a gateway address where nothing listens (gateway down).
@@ -53,6 +55,8 @@ POOLS: dict[str, tuple[int, list[list[str]]]] = {
                            ["--speed", "5", "--fault-added-latency-ms", "3000"]]),
     "long": (8192, [["--kv-blocks", "64", "--mean-output-tokens", "0"]]),
     "flaky": (16384, [["--speed", "5", "--fault-error-rate", "0.5"]]),
+    # agent sessions (the `_agent` worker, forced): the largest pool, so nothing else lands or spills there
+    "agent": (131072, [["--speed", "5", "--mean-output-tokens", "8"]]),
 }
 DEAD_POOL = ("dead", 32768)
 TRACED_POOL = "interactive"  # its replicas export llm_request spans to the gateway (m3gate_engine_*_seconds)
@@ -279,6 +283,7 @@ def observability_stack(workdir: Path) -> Iterator[Stack]:
             "server": {"health_interval_s": 0.5, "upstream_read_timeout_s": 30},
             "admin": {"watch_config": False},
             "state": f"redis://127.0.0.1:{closed_port()}/0",
+            "sessions": {"idle_timeout_s": 2.0},  # headerless agent sessions end (by idle) within the run
             "telemetry": {"tracing": {"enabled": True, "exporter": "discard", "sample_ratio": 1.0,
                                       "receive_engine_spans": True}},
         }, port=gateway_port, workdir=workdir / "gateway")
@@ -377,7 +382,69 @@ async def _leaver(client: httpx.AsyncClient, i: int) -> str:
     return "left"
 
 
-WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver, _precise, _slo]
+AGENT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"path": {"type": "string"}},
+                                                                "required": ["path"]}}}]
+
+
+async def _agent_turn(client: httpx.AsyncClient, messages: list[dict[str, Any]], headers: dict[str, str],
+                      stream: bool, tools: bool) -> dict[str, Any]:
+    """One agent turn; the assistant message as the agent appends it (with the answer's tool-call ids)."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "messages": messages, "stream": stream}
+    if tools:
+        body.update(tools=AGENT_TOOLS, tool_choice="required")
+    calls: dict[int, dict[str, Any]] = {}
+    if stream:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                        entry = calls.setdefault(call.get("index", 0), {"id": "", "type": "function",
+                                                                        "function": {"name": "", "arguments": ""}})
+                        entry["id"] = call.get("id") or entry["id"]
+                        fn = call.get("function") or {}
+                        entry["function"]["name"] += fn.get("name") or ""
+                        entry["function"]["arguments"] += fn.get("arguments") or ""
+    else:
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        if resp.status_code == 200:
+            for k, call in enumerate(resp.json()["choices"][0]["message"].get("tool_calls") or []):
+                calls[k] = call
+    out: dict[str, Any] = {"role": "assistant", "content": "ok"}
+    if calls:
+        out["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return out
+
+
+async def _agent(client: httpx.AsyncClient, i: int) -> str:
+    """An agent session: a task, a tool call answered after a tool wait, a final answer, the user's next turn after
+    a think time. Even sessions name themselves (x-session-id) and end with x-dynamo-session-final; odd ones are
+    found by their tool-call ids and history and end by idle."""
+    headers = {"x-m3gate-pool": "agent"}
+    named = i % 2 == 0
+    if named:
+        headers["x-session-id"] = f"obs-agent-{i}-{random.random()}"
+    stream = (i // 2) % 2 == 0
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPTS[i % 3]},
+                                      {"role": "user", "content": f"task {i}: {_words(random.Random(i), 200)}"}]
+    answer = await _agent_turn(client, messages, headers, stream, tools=True)
+    messages.append(answer)
+    await asyncio.sleep(0.15)  # the tool runs
+    for call in answer.get("tool_calls") or []:
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": _words(random.Random(-i), 200)})
+    messages.append(await _agent_turn(client, messages, headers, stream, tools=False))
+    await asyncio.sleep(0.25)  # the user reads and thinks
+    messages.append({"role": "user", "content": f"thanks; now {i}"})
+    if named:
+        headers["x-dynamo-session-final"] = "true"
+    await _agent_turn(client, messages, headers, stream, tools=False)
+    return f"agent {'header' if named else 'inferred'}"
+
+
+WORKERS = [_chat] * 4 + [_completion, _long, _long, _long, _flaky, _invalid, _leaver, _precise, _slo, _agent, _agent]
 
 
 async def drive(url: str, duration_s: float) -> Counter[str]:

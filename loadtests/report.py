@@ -6,6 +6,11 @@ good when every SLO it has holds; TPOT counts as 0 when it produced ≤ 1 token)
 rate the replicas reported in their usage (cached_tokens), and routing spread per replica (`x-m3gate-endpoint`).
 The prefix-cache hit rate from the replicas' own /metrics (delta of vllm:prefix_cache_hits_total / queries_total
 over the run) comes from `loadtests.replicas.MetricsDelta` and is added by the caller.
+
+Workloads with agent sessions also get per-session and per-turn sections (`session_report`): task time and turns per
+session, the tool and think waits the generator planned and really waited, TTFT by turn index and cache path (warm:
+at least half the prompt cached), and, through a gateway, what m3gate measured for the same turns (GET
+/admin/sessions, matched by the session id the workload sends as `user`, hashed as the admin view shows it).
 """
 
 from __future__ import annotations
@@ -112,8 +117,88 @@ def routing_spread(results: Iterable[Result], replicas: Sequence[str] = ()) -> d
             "max_over_mean_prompt_tokens": ratio("prompt_tokens")}
 
 
+def _turn_bucket(index: int) -> str:
+    """m3gate's turn-index buckets (1-based index)."""
+    for hi, name in ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16")):
+        if index <= hi:
+            return name
+    return "17+"
+
+
+def _p(values: Sequence[float], q: float, scale: float = 1000.0) -> float | None:
+    return round(float(np.percentile(values, q)) * scale, 2) if len(values) else None
+
+
+def session_report(plan: Plan, results: Sequence[Result],
+                   seen: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Per session and per turn (times in ms): what the generator did, and what m3gate measured when `seen` (GET
+    /admin/sessions' open + recent sessions) is given. m3gate's view keeps a session's last 4 turns."""
+    from policies.sessions import redacted
+
+    items = {i.index: i for i in plan.items}
+    by_session: dict[str, list[Result]] = {}
+    for r in results:
+        if r.session is not None:
+            by_session.setdefault(r.session, []).append(r)
+    views = {v.get("id"): v for v in seen or ()}
+    task, turns, complete = [], [], 0
+    planned: dict[str, list[float]] = {"tool": [], "think": []}
+    waited: dict[str, list[float]] = {"tool": [], "think": []}
+    m3: dict[str, list[float]] = {"tool": [], "think": []}
+    diffs: dict[str, list[float]] = {"tool": [], "think": []}
+    ttft: dict[str, list[float]] = {}
+    found = 0
+    for sid, rs in by_session.items():
+        rs.sort(key=lambda r: r.turn)
+        done = [r for r in rs if r.e2el is not None]
+        if done:
+            task.append(max(r.t_send + (r.e2el or 0.0) for r in done) - rs[0].t_send)
+            turns.append(len(rs))
+        if len(rs) == len([i for i in plan.items if i.session == sid]) and all(r.ok for r in rs):
+            complete += 1
+        view = views.get(redacted(sid)) if seen is not None else None
+        found += view is not None
+        m3_turns = {t["index"]: t for t in (view or {}).get("recent_turns", ())}
+        for prev, r in zip(rs, rs[1:]):
+            if prev.e2el is None:
+                break
+            kind = "tool" if items[prev.index].tool_call else "think"
+            gap = r.t_send - (prev.t_send + prev.e2el)
+            planned[kind].append(items[r.index].wait_s)
+            waited[kind].append(gap)
+            t = m3_turns.get(r.turn + 1)
+            if t is not None and t.get("wait") == kind:
+                m3[kind].append(t["wait_s"])
+                diffs[kind].append(t["wait_s"] - gap)
+        for r in rs:
+            if r.ttft is None:
+                continue
+            cache = ("warm" if (r.cached_tokens or 0) >= 0.5 * r.prompt_tokens else "cold") if r.prompt_tokens \
+                else "none"
+            ttft.setdefault(f"{_turn_bucket(r.turn + 1)}/{cache}", []).append(r.ttft)
+
+    def two(values: Sequence[float]) -> dict[str, float | None]:
+        return {"p50": _p(values, 50), "p95": _p(values, 95)}
+
+    out: dict[str, Any] = {
+        "sessions": len(by_session), "complete": complete,
+        "task_ms": two(task), "turns": {"p50": _p(turns, 50, 1.0), "max": max(turns, default=None)},
+        "waits_ms": {k: {"planned": two(planned[k]), "waited": two(waited[k]), "n": len(waited[k])}
+                     for k in ("tool", "think")},
+        "ttft_ms_by_turn": {k: {"n": len(v), **two(v)} for k, v in sorted(ttft.items())},
+    }
+    if seen is not None:
+        every = diffs["tool"] + diffs["think"]
+        out["m3gate"] = {"sessions_found": found, "compared_turns": len(every),
+                         "waits_ms": {k: two(m3[k]) for k in ("tool", "think")},
+                         "diff_ms": {"tool_p50": _p(diffs["tool"], 50), "think_p50": _p(diffs["think"], 50),
+                                     "p50": _p(every, 50), "p99": _p(every, 99)}}
+    return out
+
+
 def build_report(plan: Plan, run: RunOutput, *, replicas: Sequence[str] = (), cache: Mapping[str, Any] | None = None,
-                 oracle: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 oracle: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                 sessions_seen: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     results = run.results
     by_class: dict[str, list[Result]] = {}
     for r in results:
@@ -140,6 +225,8 @@ def build_report(plan: Plan, run: RunOutput, *, replicas: Sequence[str] = (), ca
         "classes": classes,
         "routing": routing_spread(results, replicas),
     }
+    if any(r.session is not None for r in results):
+        report["sessions"] = session_report(plan, results, sessions_seen)
     if cache is not None:
         report["prefix_cache"] = dict(cache)
     if oracle is not None:
@@ -210,7 +297,37 @@ def markdown(report: Mapping[str, Any]) -> str:
                      f"{_pct((per_cache.get(url) or {}).get('rate'))} |")
     lines.append(f"\nMax/mean replica load: {_f(report['routing']['max_over_mean_requests'], 2)} (requests), "
                  f"{_f(report['routing']['max_over_mean_prompt_tokens'], 2)} (prompt tokens)")
+    if report.get("sessions"):
+        lines += session_markdown(report["sessions"])
     return "\n".join(lines) + "\n"
+
+
+def session_markdown(s: Mapping[str, Any]) -> list[str]:
+    def two(v: Mapping[str, Any]) -> str:
+        return f"{_f(v.get('p50'))} / {_f(v.get('p95'))}"
+
+    m3 = s.get("m3gate")
+    lines = ["", "## Sessions", "",
+             f"{s['sessions']} sessions ({s['complete']} ran every planned turn); task time (first send → last "
+             f"byte) p50 / p95 {two(s['task_ms'])} ms; turns p50 {_f(s['turns']['p50'], 0)}, max "
+             f"{_f(s['turns']['max'])}.", "",
+             "| wait | turns | planned p50 / p95 ms | generator waited p50 / p95 ms | m3gate measured p50 / p95 ms |",
+             "|---|---|---|---|---|"]
+    for kind, name in (("tool", "tool turnaround"), ("think", "think time")):
+        w = s["waits_ms"][kind]
+        lines.append(f"| {name} | {w['n']} | {two(w['planned'])} | {two(w['waited'])} | "
+                     f"{two(m3['waits_ms'][kind]) if m3 else '–'} |")
+    if m3:
+        d = m3["diff_ms"]
+        lines.append(f"\nm3gate (GET /admin/sessions): {m3['sessions_found']} of {s['sessions']} sessions found by "
+                     f"id; per-turn difference m3gate − generator over {m3['compared_turns']} turns (its last 4 per "
+                     f"session): p50 {_f(d['p50'], 2)} ms, p99 {_f(d['p99'], 2)} ms (tool {_f(d['tool_p50'], 2)}, "
+                     f"think {_f(d['think_p50'], 2)}).")
+    lines += ["", "## Turns: TTFT by turn index and cache path", "", "| turn / cache | n | TTFT p50 / p95 ms |",
+              "|---|---|---|"]
+    for key, v in s["ttft_ms_by_turn"].items():
+        lines.append(f"| {key} | {v['n']} | {two(v)} |")
+    return lines
 
 
 def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan: Plan, *, plots: bool = True,

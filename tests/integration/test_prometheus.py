@@ -91,7 +91,7 @@ def test_promtool_accepts_the_deploy_config_and_rules(run: Run) -> None:
 
 def test_the_load_produced_each_kind_of_outcome(run: Run) -> None:
     kinds = {key.split()[0] for key, n in run.outcomes.items() if n}
-    assert {"chat", "completion", "long", "flaky", "invalid", "left", "precise", "slo"} <= kinds, run.outcomes
+    assert {"chat", "completion", "long", "flaky", "invalid", "left", "precise", "slo", "agent"} <= kinds, run.outcomes
     assert run.outcomes["chat 200"] and run.outcomes["long 200"] and run.outcomes["precise 200"], run.outcomes
     assert run.outcomes["slo 200"], run.outcomes  # an objective nobody meets, served: slo_expected_miss
     assert any(run.outcomes[f"flaky {s}"] for s in (500, 503)), run.outcomes
