@@ -143,47 +143,29 @@ def bench_requests(sessions: int, iterations: int) -> list[dict[str, Any]]:
     identities = [SessionIdentity(i, "header") for i in ids]
     n = len(ids)
 
-    def explicit(i: int) -> None:
-        nonlocal key
-        clock.now += 0.0001
-        session, _ = store.resolve(identities[i % n], (), None, clock.now)
-        turn = store.begin_turn(session, "tool_result", clock.now)
-        key += 2
-        store.end_turn(turn, clock.now, (f"call_{key:024x}", f"call_{key + 1:024x}"), key, _USAGE)
-
-    run("explicit id: resolve+begin+end", explicit)
-
     no_id = SessionIdentity()
 
-    def by_tool(i: int) -> None:  # carries the results of the previous iteration's answer
-        nonlocal key
-        clock.now += 0.0001
-        session, _ = store.resolve(no_id, (f"call_{key:024x}",), None, clock.now)
-        turn = store.begin_turn(session, "tool_result", clock.now)
-        key += 2
-        store.end_turn(turn, clock.now, (f"call_{key:024x}", f"call_{key + 1:024x}"), key, _USAGE)
+    def scenario(identity: Callable[[int], SessionIdentity], kind: str, *, found_by_tool: bool = False,
+                 found_by_history: bool = False, asks_tools: bool = False) -> Callable[[int], None]:
+        """One turn: resolved by its id, by the previous iteration's tool-call ids or history key, or new."""
 
-    run("tool-call id: resolve+begin+end", by_tool)
+        def one(i: int) -> None:
+            nonlocal key
+            clock.now += 0.0001
+            tool_ids = (f"call_{key:024x}",) if found_by_tool else ()
+            session, _ = store.resolve(identity(i), tool_ids, key if found_by_history else None, clock.now)
+            turn = store.begin_turn(session, kind, clock.now)
+            key += 2
+            answer_tools = (f"call_{key:024x}", f"call_{key + 1:024x}") if asks_tools else ()
+            store.end_turn(turn, clock.now, answer_tools, key, _USAGE)
 
-    def by_history(i: int) -> None:
-        nonlocal key
-        clock.now += 0.0001
-        session, _ = store.resolve(no_id, (), key, clock.now)
-        turn = store.begin_turn(session, "user", clock.now)
-        key += 2
-        store.end_turn(turn, clock.now, (), key, _USAGE)
+        return one
 
-    run("history key: resolve+begin+end", by_history)
-
-    def new(i: int) -> None:
-        nonlocal key
-        clock.now += 0.0001
-        session, _ = store.resolve(no_id, (), None, clock.now)
-        turn = store.begin_turn(session, "first", clock.now)
-        key += 2
-        store.end_turn(turn, clock.now, (), key, _USAGE)
-
-    run("new session (evicting): resolve+begin+end", new)
+    run("explicit id: resolve+begin+end", scenario(lambda i: identities[i % n], "tool_result", asks_tools=True))
+    run("tool-call id: resolve+begin+end", scenario(lambda i: no_id, "tool_result", found_by_tool=True,
+                                                     asks_tools=True))
+    run("history key: resolve+begin+end", scenario(lambda i: no_id, "user", found_by_history=True))
+    run("new session (evicting): resolve+begin+end", scenario(lambda i: no_id, "first"))
     return rows
 
 

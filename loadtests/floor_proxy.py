@@ -38,6 +38,22 @@ def _session() -> aiohttp.ClientSession:
                                  auto_decompress=False)
 
 
+async def _ok(send: Any) -> None:
+    """Any GET (the health probe): 200 "ok"."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _body(receive: Any) -> bytes:
+    """The whole request body, as the ASGI server hands it over."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 def build(upstreams: list[str]) -> Any:
     """The raw ASGI relay (uvicorn or granian)."""
     turn = itertools.cycle(upstreams)
@@ -55,15 +71,9 @@ def build(upstreams: list[str]) -> Any:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["method"] != "POST":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-            await send({"type": "http.response.body", "body": b"ok"})
+            await _ok(send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _body(receive)
         async with state["http"].post(next(turn) + scope["path"], data=body, headers=JSON) as upstream:
             headers = [(b"content-type", upstream.headers.get("content-type", "application/json").encode())]
             await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
@@ -189,15 +199,9 @@ def build_raw(upstreams: list[str]) -> Any:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["method"] != "POST":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-            await send({"type": "http.response.body", "body": b"ok"})
+            await _ok(send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _body(receive)
         conn = await client.post(next(turn) + scope["path"], body)
         await send({"type": "http.response.start", "status": conn.status, "headers": [(b"content-type", conn.ctype)]})
         async for chunk in conn.body_chunks():
