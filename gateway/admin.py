@@ -52,6 +52,7 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
                 "draining": replica.draining,
                 "ejected_for_s": round(max(0.0, replica.ejected_until - now), 3),
                 "consecutive_failures": replica.consecutive_failures,
+                "ejections": replica.ejections,  # since the gateway started (each with its back-off)
                 "in_flight": replica.in_flight,
                 "in_flight_tokens": replica.in_flight_tokens,
                 "requests_total": replica.requests_total,

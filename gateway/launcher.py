@@ -55,14 +55,36 @@ class GatewayProcess:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`; never raises (a machine stalled for tens of seconds must not turn
+        a test's real failure into a TimeoutExpired from its cleanup)."""
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
             try:
-                self._proc.wait(5)
+                self._proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.wait(5)
+                try:
+                    self._proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def diagnostics(self) -> str:
+        """What to read when the gateway did not come up: its process state and the machine's load and memory."""
+        lines = []
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+            lines += [line for line in status.splitlines() if line.startswith(("State", "VmRSS", "Threads"))]
+            lines.append("wchan: " + Path(f"/proc/{self.pid}/wchan").read_text())
+        except OSError:
+            lines.append(f"process {self.pid}: gone (exit {self._proc.poll()})")
+        try:
+            lines.append("loadavg: " + Path("/proc/loadavg").read_text().strip())
+            meminfo = Path("/proc/meminfo").read_text().splitlines()
+            lines += [line for line in meminfo if line.startswith(("MemTotal", "MemAvailable"))]
+        except OSError:
+            pass
+        return "\n".join(lines)
 
 
 def start_gateway(
@@ -96,5 +118,6 @@ def start_gateway(
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
+    state = gw.diagnostics()
     gw.stop()
-    raise RuntimeError(f"gateway did not become healthy in {timeout}s:\n{gw.log_tail()}")
+    raise RuntimeError(f"gateway did not become healthy in {timeout}s:\n{state}\nlog:\n{gw.log_tail()}")

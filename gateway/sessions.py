@@ -50,10 +50,11 @@ def session_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
 class SessionTurn:
     """One request's place in its session, carried on its RequestRecord."""
 
-    __slots__ = ("turn", "source", "register_key", "scanner", "tool_ids", "cache_path", "previous_span", "trace_id")
+    __slots__ = ("turn", "source", "register_key", "scanner", "tool_ids", "cache_path", "previous_span", "raw_ids",
+                 "_trace_id")
 
     def __init__(self, turn: Turn, source: str, register_key: int | None, scanner: SseToolCallScanner | None,
-                 trace_id: str) -> None:
+                 raw_ids: bool) -> None:
         self.turn = turn
         self.source = source  # id_source: header | body | tool_call | history | none
         self.register_key = register_key
@@ -61,11 +62,21 @@ class SessionTurn:
         self.tool_ids: tuple[str, ...] = ()  # a non-streamed answer's tool calls
         self.cache_path = ""  # warm | cold, once the answer's usage is known
         self.previous_span = turn.session.last_span  # the previous turn's server span, for a span link
-        self.trace_id = trace_id  # what spans show as gen_ai.conversation.id / session.id
+        self.raw_ids = raw_ids  # sessions.trace_ids: raw
+        self._trace_id: str | None = None
 
     @property
     def session(self) -> Session:
         return self.turn.session
+
+    @property
+    def trace_id(self) -> str:
+        """What spans show as gen_ai.conversation.id / session.id: hashed only when a span asks (most requests
+        are not sampled)."""
+        if self._trace_id is None:
+            session_id = self.turn.session.id
+            self._trace_id = session_id if self.raw_ids else redacted(session_id)
+        return self._trace_id
 
 
 class SessionTracker:
@@ -87,9 +98,10 @@ class SessionTracker:
         store.warm_share = config.warm_share
 
     def begin(self, record: RequestRecord, raw_headers: Sequence[tuple[bytes, bytes]], body: dict[str, Any], api: str,
-              monotonic_now: float) -> str:
-        """Put the request in its session and open its turn; returns the session id (sticky routing's key).
-        `raw_headers`: the ASGI scope's."""
+              monotonic_now: float) -> str | None:
+        """Put the request in its session and open its turn; returns the session id (sticky routing's key), or None
+        for an unnamed first turn (a one-shot as far as anyone knows: nothing to stick to). `raw_headers`: the ASGI
+        scope's."""
         store = self.store
         now = self.wall() - (monotonic_now - record.t_arrival)  # its arrival, on the wall clock
         identity = identify(session_headers(raw_headers), body, api, self.config.max_id_chars)
@@ -100,11 +112,11 @@ class SessionTracker:
         session, source = store.resolve(identity, tool_ids if identity.id is None else (), lookup_key, now)
         turn = store.begin_turn(session, kind, now)
         session.traffic_class = record.traffic_class or session.traffic_class
-        trace_id = session.id if self.config.trace_ids == "raw" else redacted(session.id)
         # only an answer to a request that offered tools can ask for them: other streams are not scanned at all
         scan = body.get("stream") is True and bool(body.get("tools"))
-        record.session = SessionTurn(turn, source, register_key, SseToolCallScanner(api) if scan else None, trace_id)
-        return session.id
+        record.session = SessionTurn(turn, source, register_key, SseToolCallScanner(api) if scan else None,
+                                     self.config.trace_ids == "raw")
+        return None if session.unopened else session.id
 
     def answered(self, record: RequestRecord, body: bytes) -> None:
         """A complete (non-streamed) answer: the tool calls it asks for."""

@@ -114,12 +114,12 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any], api: str,
     case-insensitive (Starlette's `Headers`) or hold lower-case names."""
     get = headers.get
     identity = SessionIdentity()
-    for name in SESSION_HEADERS:
+    for name in SESSION_HEADERS if headers else ():
         value = _clean(get(name), max_chars)
         if value is not None:
             identity.id, identity.id_source = value, "header"
             break
-    else:
+    if identity.id is None:
         value = _clean(body.get("session_id"), max_chars)
         if value is None:
             metadata = body.get("metadata")
@@ -129,6 +129,8 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any], api: str,
             value = _clean(body.get("user"), max_chars)
         if value is not None:
             identity.id, identity.id_source = value, "body"
+    if not headers:
+        return identity
     agent = get(AGENT_HEADER)
     if agent is not None:
         identity.agent_id = _clean(agent, max_chars)

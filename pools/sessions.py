@@ -3,7 +3,9 @@ each turn timed: how long tools took (tool turnaround) and how long a person too
 
 A request finds its session first-match-wins (`SessionStore.resolve`): the id it names (policies/sessions.py), else
 a tool-call id m3gate returned in an earlier answer, else its history (the previous turn's whole history, hashed),
-else a new session with a generated id. Then per request:
+else a new session with a generated id. Most unnamed first turns are one-shot requests that nothing continues, so
+such a session stays *unopened* (outside the LRU, not counted or shown, no end) until a later turn finds it by the
+keys its answer left; it then opens with its first turn in it. Then per request:
 
     session, source = store.resolve(identity, tool_result_ids(body, api), lookup_key)
     turn = store.begin_turn(session, turn_kind(body, api))
@@ -14,7 +16,8 @@ Times are wall-clock seconds (`time.time`, injectable): other gateways' answers 
 monotonic clocks differ between processes. Memory is bounded: at most `max_sessions` open sessions (LRU), each with
 aggregates and its last `recent_turns` turns packed in one bytes object; at most `max_keys` remembered tool-call ids
 and as many history keys (default 2 per session; the newest half always kept); `max_recent` ended sessions for the
-admin view; `max_outbox` unpublished events. 100k sessions take ~105 MiB (`python -m loadtests.bench_sessions`).
+admin view; `max_outbox` unpublished events; between max_sessions/2 and max_sessions answered unopened first
+turns. 100k sessions take ~105 MiB (`python -m loadtests.bench_sessions`).
 Nothing here logs or labels a raw id: `view` hashes them unless asked.
 
 Sharing (pools/shared_state.py): with `shared=True`, each answer's record (session id, turn, tool-call id hashes,
@@ -33,7 +36,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import xxhash
 
@@ -72,6 +75,8 @@ _CACHE = {k: i for i, k in enumerate(CACHE_PATHS)}
 # the session's start, wait, model time, prompt / completion / cached tokens, tool calls asked. 34 bytes.
 _TURN = struct.Struct("<IBBBxfffIIIH")
 _U32 = 0xFFFFFFFF
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def wall_clock(monotonic_t: float, now_monotonic: float | None = None, now_wall: float | None = None) -> float:
@@ -89,26 +94,28 @@ def tool_key(call_id: str) -> int:
     return xxhash.xxh3_64_intdigest(call_id.encode("utf-8", "surrogatepass"))
 
 
+def _count(value: Any) -> int:
+    return value if type(value) is int and value > 0 else 0
+
+
 def usage_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of an answer's usage in any of the four APIs' shapes. Anthropic's
     `input_tokens` excludes cache reads and writes, so the prompt is their sum there."""
-    if not isinstance(usage, Mapping):
-        return 0, 0, 0
-
-    def num(value: Any) -> int:
-        return value if isinstance(value, int) and value > 0 else 0
-
-    if "prompt_tokens" in usage:
+    if not isinstance(usage, dict):
+        if not isinstance(usage, Mapping):
+            return 0, 0, 0
+    prompt = usage.get("prompt_tokens")
+    if prompt is not None:  # Chat and Completions, the common case
         details = usage.get("prompt_tokens_details")
-        cached = num(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
-        return num(usage.get("prompt_tokens")), num(usage.get("completion_tokens")), cached
+        cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+        return _count(prompt), _count(usage.get("completion_tokens")), cached
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
-        read = num(usage.get("cache_read_input_tokens"))
-        prompt = num(usage.get("input_tokens")) + read + num(usage.get("cache_creation_input_tokens"))
-        return prompt, num(usage.get("output_tokens")), read
+        read = _count(usage.get("cache_read_input_tokens"))
+        prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
+        return prompt, _count(usage.get("output_tokens")), read
     details = usage.get("input_tokens_details")
-    cached = num(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
-    return num(usage.get("input_tokens")), num(usage.get("output_tokens")), cached
+    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+    return _count(usage.get("input_tokens")), _count(usage.get("output_tokens")), cached
 
 
 @dataclass(slots=True, eq=False)
@@ -144,6 +151,7 @@ class Session:
     recent: bytes = b""  # the last turns, `_TURN` records
     traffic_class: str = ""  # the class of its latest turn (metrics by class; set by the gateway)
     last_span: tuple[int, int] | None = None  # (trace id, span id) of its latest sampled turn, to link the next one
+    unopened: bool = False  # an unnamed first turn's: opened (LRU, metrics) only when a later turn continues it
 
 
 @dataclass(slots=True, eq=False)
@@ -173,9 +181,9 @@ class SessionStoreCounters:
     events_applied: int = 0
 
 
-class _RecentKeys:
-    """key → session id for about the last `capacity` keys put: two generations of plain dicts, the older dropped
-    whole when the newer fills half the capacity, so a key is remembered for at least capacity/2 later puts.
+class _RecentKeys(Generic[K, V]):
+    """key → value for about the last `capacity` keys put: two generations of plain dicts, the older dropped whole
+    when the newer fills half the capacity, so a key is remembered for at least capacity/2 later puts.
 
     Why not an LRU: popping a plain dict's oldest entry scans the deleted slots before it (quadratic over time), and
     an OrderedDict costs 60% more memory per entry; a key is looked up about once anyway (by the next turn). The
@@ -185,17 +193,21 @@ class _RecentKeys:
 
     def __init__(self, capacity: int) -> None:
         self._half = max(1, capacity // 2)
-        self._new: dict[int, str] = {}
-        self._old: dict[int, str] = {}
+        self._new: dict[K, V] = {}
+        self._old: dict[K, V] = {}
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
 
-    def get(self, key: int) -> str | None:
+    def get(self, key: K) -> V | None:
         value = self._new.get(key)
         return value if value is not None else self._old.get(key)
 
-    def put(self, key: int, value: str) -> None:
+    def pop(self, key: K) -> V | None:
+        value = self._new.pop(key, None)
+        return value if value is not None else self._old.pop(key, None)
+
+    def put(self, key: K, value: V) -> None:
         new = self._new
         new[key] = value
         if len(new) >= self._half:
@@ -245,8 +257,9 @@ class SessionStore:
         self._recent_bytes = recent_turns * _TURN.size
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
         # remembered answers: tool-call id hash / history key → session id
-        self._by_tool = _RecentKeys(self.max_keys)
-        self._by_history = _RecentKeys(self.max_keys)
+        self._by_tool: _RecentKeys[int, str] = _RecentKeys(self.max_keys)
+        self._by_history: _RecentKeys[int, str] = _RecentKeys(self.max_keys)
+        self._unopened: _RecentKeys[str, Session] = _RecentKeys(max_sessions)  # answered unnamed first turns, by id
         self._ended: deque[Session] = deque(maxlen=max_recent)
         self._outbox: deque[tuple[Any, ...]] = deque(maxlen=max_outbox)
         self._id_prefix = id_prefix if id_prefix is not None else f"m3s-{secrets.token_hex(4)}-"
@@ -259,6 +272,10 @@ class SessionStore:
     def get(self, session_id: str) -> Session | None:
         """An open session by id (admin API, tests)."""
         return self._open.get(session_id)
+
+    def remembers(self, session_id: str) -> bool:
+        """Open, or an answered unnamed first turn that a later turn may still continue."""
+        return session_id in self._open or self._unopened.get(session_id) is not None
 
     # -- resolve -------------------------------------------------------------------------------------------------
 
@@ -289,10 +306,12 @@ class SessionStore:
                 session_id = self._by_history.get(lookup_key)
                 if session_id is not None:
                     source = "history"
-            if session_id is None:
+            if session_id is None:  # an unnamed first turn: most such requests are one-shots, never continued
                 self._next_id += 1
-                session_id = f"{self._id_prefix}{self._next_id:x}"
-            session = self._session(session_id, source, now, identity.parent_id, identity.agent_id)
+                session = Session(f"{self._id_prefix}{self._next_id:x}", source, now, identity.parent_id,
+                                  identity.agent_id, last_seen=now, unopened=True)
+            else:
+                session = self._session(session_id, source, now, identity.parent_id, identity.agent_id)
         if identity.final:
             session.closing = True
         self.counters.resolved[source] += 1
@@ -306,12 +325,23 @@ class SessionStore:
             if now - session.last_seen <= self.idle_timeout_s or session.in_flight:
                 return session
             self._end(session, "idle")
+        else:  # an unnamed first turn this turn continues: it becomes an open session now, with that turn in it
+            session = self._unopened.pop(session_id)
+            if session is not None and now - session.last_seen <= self.idle_timeout_s:
+                session.unopened = False
+                self._open[session_id] = session
+                self.counters.sessions += 1
+                self._evict()
+                return session
         session = Session(session_id, source, now, parent, agent, last_seen=now)
         self._open[session_id] = session
         self.counters.sessions += 1
+        self._evict()
+        return session
+
+    def _evict(self) -> None:
         while len(self._open) > self.max_sessions:
             self._end(self._open.popitem(last=False)[1], "evicted", popped=True)
-        return session
 
     # -- turns ---------------------------------------------------------------------------------------------------
 
@@ -361,7 +391,7 @@ class SessionStore:
             _charge(session, turn.wait_kind, -turn.wait_s, -1)
             turn.wait_kind, turn.wait_s = "", 0.0
             self._time_wait(session, turn)
-        tool_keys = tuple(tool_key(call_id) for call_id in tool_call_ids)
+        tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
         prompt, completion, cached = usage_counts(usage)
         cache = self._record(session, turn.index, turn.kind, turn.arrival, turn.wait_kind, turn.wait_s, last_byte,
                              prompt, completion, cached, tool_keys, register_key)
@@ -373,6 +403,8 @@ class SessionStore:
                            prompt, completion, cached, tool_keys, register_key, turn.final))
         if turn.final and session.end_reason == "":
             self._end(session, "final")
+        elif session.unopened and (tool_keys or register_key is not None):
+            self._unopened.put(session.id, session)  # a later turn may find it by these keys
         return cache
 
     def _record(self, session: Session, index: int, kind: str, arrival: float, wait_kind: str, wait_s: float,
@@ -421,6 +453,8 @@ class SessionStore:
     # -- ends ----------------------------------------------------------------------------------------------------
 
     def _touch(self, session: Session) -> None:
+        if session.unopened:
+            return
         try:
             self._open.move_to_end(session.id)
         except KeyError:  # evicted while its turn was in flight
@@ -526,6 +560,14 @@ class SessionStore:
             now = self.clock()
         for (session_id, source, parent, agent, index, kind, arrival, wait_kind, wait_s, last_byte, prompt,
              completion, cached, tool_keys, register_key, final) in events:
+            if source == "none" and index == 1 and session_id not in self._open and not final:
+                # another gateway's unnamed first turn: remembered unopened, like a local one
+                session = Session(session_id, source, arrival, parent, agent, last_seen=now, unopened=True)
+                session.turns = 1
+                self._record(session, index, kind, arrival, wait_kind, wait_s, last_byte, prompt, completion, cached,
+                             tool_keys, register_key)
+                self._unopened.put(session_id, session)
+                continue
             session = self._session(session_id, source, now, parent, agent)
             if arrival < session.started:
                 session.started = arrival

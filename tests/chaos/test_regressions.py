@@ -52,7 +52,8 @@ def test_a_replica_that_breaks_streams_is_ejected(two_replicas: list[SimProcess]
         assert kinds.count("silent_cut") == 0 and kinds.count("before_first_byte") == 0
         assert kinds.count("after_first_byte") <= 8, kinds  # was ~70%: every request the broken replica drew
         view = _replica(gw, bad.url)
-        assert view["consecutive_failures"] >= 1 and view["ejected_for_s"] > 0, view
+        # ejected (its back-off may be over by now on a loaded machine: the count, not the remaining time)
+        assert view["consecutive_failures"] >= 1 and view["ejections"] >= 1, view
     finally:
         gw.stop()
 

@@ -200,7 +200,7 @@ def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Clien
             "min_uncached_tokens": 256, "kv_lease_s": 120, "transfer_timeout_s": 240}}],
         "server": {"health_interval_s": 1.0, "upstream_read_timeout_s": 300},
         "classification": {"output_budget": {"adaptive": 64, "enabled": 64, "disabled": 64}},
-    })
+    }, timeout=180)  # the two vLLM servers beside it may hold the machine's two cores for a while
     try:
         sdk = openai.OpenAI(base_url=gw.base_url, api_key="k", max_retries=0, timeout=300)
         before = metrics(client, pd_pair.decode.url)

@@ -63,7 +63,7 @@ async def test_turns_alternating_between_two_gateways_are_one_session(prefix: st
         t0 = time.time()
         s_a, source, _ = Turns(store_a).request({"messages": [u1]}, t0, t0 + 1.0, ("call_1",))
         assert source == "none"
-        waited = await eventually(lambda: store_b.get(s_a.id) is not None, within=2.0)
+        waited = await eventually(lambda: store_b.remembers(s_a.id), within=2.0)
 
         # turn 2 reaches B, carrying the tool's result: 0.75 s after A's answer ended
         s_b, source, turn2 = Turns(store_b).request({"messages": [u1, a1, t1]}, t0 + 1.75, t0 + 3.0)

@@ -187,6 +187,8 @@ def test_open_sessions_are_a_bounded_lru_and_so_are_remembered_keys() -> None:
     assert store.resolve(NO_ID, ("a",))[1] == "none"  # forgotten: 5 tool ids, at most 4 kept, at least the last 2
     assert store.resolve(NO_ID, ("d",))[0] is store.resolve(NO_ID, ("e",))[0] is sessions[2]
     assert len(store._by_tool) <= 4
+    for i in range(4, 7):  # more evictions than the ended sessions kept
+        store.resolve(SessionIdentity(f"s{i}", "header"))
     assert len(store.view()["recent"]) == 2  # bounded too
 
 
@@ -335,3 +337,29 @@ def test_bounds_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
     for s in list(store._open.values()) + list(store._ended):
         assert s.in_flight >= 0 and len(s.recent) <= 2 * 34 and s.tool_s >= 0 and s.think_s >= 0
     assert len(store.view()["recent"]) <= 2
+
+
+def test_an_unnamed_first_turn_opens_a_session_only_when_a_later_turn_continues_it() -> None:
+    """One-shot requests (no id, never continued) are not sessions: they neither fill the LRU nor evict named
+    sessions, nor count as ended sessions. The first turn's facts are kept, so its continuation is turn 2."""
+    clock = Clock()
+    ended: list[str] = []
+    store = _store(clock, max_sessions=2, max_keys=64, on_end=lambda s: ended.append(s.id))
+    named, _ = store.resolve(SessionIdentity("named", "header"))
+    for i in range(10):  # a flood of unnamed one-shots
+        session, source = store.resolve(NO_ID, (), None, clock.advance(1))
+        assert source == "none" and store.get(session.id) is None
+        store.end_turn(store.begin_turn(session, "first"), clock.advance(0.5), (f"c{i}",), 100 + i, _usage(50, 0))
+    assert len(store) == 1 and store.get("named") is named and ended == [] and store.counters.sessions == 1
+    assert [s["id_source"] for s in store.view(raw_ids=True)["open"]] == ["header"]
+
+    clock.advance(2.0)  # the tools of the last answer ran
+    session, source = store.resolve(NO_ID, ("c9",))
+    assert source == "tool_call" and store.get(session.id) is session and store.counters.sessions == 2
+    turn = store.begin_turn(session, "tool_result")
+    assert (turn.index, turn.wait_kind, turn.wait_s) == (2, "tool", 2.0)
+    store.end_turn(turn, clock.advance(1.0), (), None, _usage(80, 50))
+    assert (session.turns, session.prompt_tokens, session.warm_turns, session.cold_turns) == (2, 130, 1, 1)
+    # and by history key: the one before (kept: at least max_sessions / 2 answered first turns are)
+    assert store.resolve(NO_ID, (), 108)[1] == "history"
+    assert store.resolve(NO_ID, (), 12345)[1] == "none"  # never registered
