@@ -325,7 +325,7 @@ class TrafficControl:
             return Admitted(choice, None)
         # vLLM refuses a priority it does not schedule by: only pools that do may take this request, even on retry
         same = tuple(p for p in choice.candidates if p.scheduling_policy == "priority")
-        return Admitted(replace(choice, candidates=same), priority)
+        return Admitted(choice if len(same) == len(choice.candidates) else replace(choice, candidates=same), priority)
 
     async def _rate_limit(self, client: Client, profile: RequestProfile, record: RequestRecord) -> None:
         key = client.key

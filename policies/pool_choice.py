@@ -58,7 +58,7 @@ def with_learned_ratio(profile: RequestProfile, ratio: float) -> RequestProfile:
     (policies/estimates.py); a count made by the model's own tokenizer needs no correction."""
     if profile.model_counted or ratio == 1.0:
         return profile
-    return replace(profile, prompt_tokens=math.ceil(profile.prompt_tokens * ratio))
+    return profile.with_prompt_tokens(math.ceil(profile.prompt_tokens * ratio))
 
 
 def after_overlength(

@@ -86,3 +86,17 @@ def test_a_learnt_ratio_scales_estimates_but_not_model_counts() -> None:
     assert with_learned_ratio(counted, 7.2) is counted
     plain = _profile(1000)
     assert with_learned_ratio(plain, 1.0) is plain
+
+
+def test_with_prompt_tokens_copies_every_other_field() -> None:
+    """The fast copy passes fields by position: a field added to RequestProfile and not to it fails here."""
+    from dataclasses import fields
+
+    original = RequestProfile("responses", "m", 10, 99, True, frozenset({"text", "image"}), "enabled", True,
+                              n_images=2, n_videos=1, estimate_exact=False, budget_field="max_output_tokens",
+                              model_counted=False, estimate_error=0.07)
+    copy = original.with_prompt_tokens(1234)
+    assert copy is not original and copy.prompt_tokens == 1234
+    assert [(f.name, getattr(copy, f.name)) for f in fields(RequestProfile) if f.name != "prompt_tokens"] == [
+        (f.name, getattr(original, f.name)) for f in fields(RequestProfile) if f.name != "prompt_tokens"]
+    assert len(fields(RequestProfile)) == 14  # with_prompt_tokens passes 14
