@@ -57,6 +57,7 @@ log = logging.getLogger("m3gate")
 
 # Requests whose body is larger than this are classified in a worker thread, off the event loop.
 CLASSIFY_IN_THREAD_BYTES = 64 * 1024
+_SLO_TTFT_RAW, _SLO_TPOT_RAW = SLO_TTFT_HEADER.encode(), SLO_TPOT_HEADER.encode()
 MAX_ATTEMPTS = 2
 
 
@@ -199,8 +200,13 @@ class Coordinator:
     def with_slos(self, request: Request, record: RequestRecord, routing: RoutingRequest) -> RoutingRequest:
         """The routing request with its TTFT/TPOT objectives, when any apply (x-slo-* headers, or the class's target
         with routing.slo_aware on)."""
-        headers = request.headers
-        ttft_ms, tpot_ms = headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER)
+        ttft_ms = tpot_ms = None
+        for name, value in request.scope["headers"]:  # one pass over the raw headers (most requests send neither)
+            if name.startswith(b"x-slo-"):
+                if name == _SLO_TTFT_RAW and ttft_ms is None:
+                    ttft_ms = value.decode("latin-1")
+                elif name == _SLO_TPOT_RAW and tpot_ms is None:
+                    tpot_ms = value.decode("latin-1")
         aware = self.gw.config.routing.slo_aware
         if ttft_ms is None and tpot_ms is None and not aware:
             return routing

@@ -107,7 +107,8 @@ def usage_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
     prompt = usage.get("prompt_tokens")
     if prompt is not None:  # Chat and Completions, the common case
         details = usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+        cached = _count(details.get("cached_tokens")) if type(details) is dict or (
+            details is not None and isinstance(details, Mapping)) else 0
         return _count(prompt), _count(usage.get("completion_tokens")), cached
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read = _count(usage.get("cache_read_input_tokens"))
