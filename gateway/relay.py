@@ -52,21 +52,46 @@ def upstream_payload(
 
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
     gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
-    class's, for pools whose vLLM schedules by priority (it replaces any the client sent)."""
+    class's, for pools whose vLLM schedules by priority (it replaces any the client sent).
+
+    Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
+    again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
+    added: dict[str, Any] = {}
     changed = False
     if priority is not None and body.get("priority") != priority:
+        if "priority" in body:
+            changed = True
+        else:
+            added["priority"] = priority
         body["priority"] = priority
-        changed = True
     if body.get("model") != model:
+        if "model" in body:
+            changed = True
+        else:
+            added["model"] = model
         body["model"] = model
-        changed = True
     strip_usage = False
     if stream and api in ("chat", "completions"):
         options = body.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
+            if "stream_options" in body:
+                changed = True
+            else:
+                added["stream_options"] = {"include_usage": True}
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-            strip_usage = changed = True
-    return (orjson.dumps(body) if changed else raw), strip_usage
+            strip_usage = True
+    if changed:
+        return orjson.dumps(body), strip_usage
+    if added:
+        return _splice(raw, added) if len(body) > len(added) else orjson.dumps(body), strip_usage
+    return raw, strip_usage
+
+
+def _splice(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """`raw` (a non-empty JSON object) with `fields`, none of which it has, added as its last members."""
+    end = len(raw.rstrip())  # JSON allows whitespace after the closing brace
+    members = orjson.dumps(fields)  # {"a":1,"b":2}: its members, without the braces, follow a comma
+    return b"".join((memoryview(raw)[:end - 1], b",", memoryview(members)[1:]))
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], api_key: str | None) -> dict[str, str]:
