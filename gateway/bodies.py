@@ -78,15 +78,17 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             f"The request body must be a JSON object, not a JSON {type(body).__name__}.", code="invalid_type"
         )
     # orjson reads 1024 levels of nesting but writes only 255, and the gateway writes bodies back (model alias,
-    # stream_options, /tokenize): refuse what it could not forward. Counting brackets is a cheap first filter; past
-    # it, the containers alone are walked (writing a multi-MB body back just to find out cost milliseconds).
-    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _too_deep(body):
+    # stream_options, /tokenize): refuse what it could not forward. The containers are walked (writing the body back
+    # to find out costs ~2 ms for 3 MB); counting brackets first spares a small body the walk, but costs more than the
+    # walk on a large one (bytes.count reads ~0.7 GB/s: 5 ms for 3 MB, against 0.4 ms for the walk).
+    if (len(raw) > _COUNT_BELOW_BYTES or raw.count(b"[") + raw.count(b"{") > MAX_NESTING) and _too_deep(body):
         raise RequestRejected(f"The request body is nested too deeply (over {MAX_NESTING} levels of arrays/objects).",
                               code="invalid_json")
     return body
 
 
 MAX_NESTING = 254  # the deepest nesting orjson.dumps writes (255 levels raise)
+_COUNT_BELOW_BYTES = 16 * 1024
 
 
 def _too_deep(body: dict[str, Any]) -> bool:

@@ -145,6 +145,9 @@ def run(sizes: list[int], requests: int, rounds: int, seed: int) -> list[dict[st
                 send(conns[name], orjson.dumps(warm))
             for size in sizes:
                 chats = chats_near(corpus, size, rounds * requests, rng, cfg)
+                for name, conn in conns.items():  # making the chats can outlast the gateways' keep-alive timeout
+                    conn.close()
+                    send(conn, orjson.dumps(warm))  # reconnects (outside the timed requests)
                 idle = {name: idle_rate(gw.pid) for name, gw in gateways.items()}
                 cpu: dict[str, list[tuple[float, bool]]] = {name: [] for name in gateways}
                 chosen: dict[str, set[str]] = {name: set() for name in gateways}
