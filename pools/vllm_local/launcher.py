@@ -257,7 +257,8 @@ def _wait_all_healthy(pending: list[_Pending], timeout: float, cancel: threading
                 assert launch.proc is not None
                 if launch.proc.poll() is not None:
                     tail = _tail(launch.log_path, 60)
-                    if "Address already in use" in tail and launch.attempts < _PORT_ATTEMPTS:
+                    # the whole log of this attempt: the bind error is followed by 60+ lines of shutdown tracebacks
+                    if _port_clash(launch.log_path) and launch.attempts < _PORT_ATTEMPTS:
                         _signal_group(launch.proc.pid, signal.SIGKILL)
                         launch.spawn(python)
                         continue
@@ -343,6 +344,14 @@ def _prune_logs(keep: int) -> None:
     logs = sorted(paths.log_dir().glob("vllm-*.log"), key=mtime, reverse=True)
     for old in logs[keep:]:
         old.unlink(missing_ok=True)
+
+
+def _port_clash(path: Path) -> bool:
+    """A port the server was given was taken by the time it bound it (each attempt writes its own log)."""
+    try:
+        return "Address already in use" in path.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _tail(path: Path, lines: int) -> str:
