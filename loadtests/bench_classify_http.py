@@ -62,10 +62,14 @@ def gateway_config(urls: dict[str, str]) -> dict[str, Any]:
 
 def serve_reference(config_path: str, port: int) -> int:
     """The gateway with the previous token counter (`--serve-reference CONFIG PORT`)."""
-    import gateway.app
+    import gateway.runtime
     from gateway.server import serve
 
-    gateway.app.TokenCounter = ReferenceTokenCounter  # type: ignore[misc,assignment]
+    # where the Gateway builds its counter (was gateway.app before the layering refactor, when patching it there
+    # silently left the reference gateway on the new counter)
+    if not hasattr(gateway.runtime, "TokenCounter"):  # setting a module attribute never fails: check the target
+        raise RuntimeError("gateway.runtime no longer builds the TokenCounter: patch where the Gateway does")
+    gateway.runtime.TokenCounter = ReferenceTokenCounter  # type: ignore[misc,assignment]
     return serve(config_path, "127.0.0.1", port)
 
 
