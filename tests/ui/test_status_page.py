@@ -88,6 +88,18 @@ class Page:
 
         return self.driver.find_elements(By.CSS_SELECTOR, selector)
 
+    def attrs(self, selector: str, name: str) -> list[str | None]:
+        """An attribute of every element matching `selector`, read in one script run: the page redraws every poll,
+        and an element found by one WebDriver call can be gone (stale) by the next."""
+        return self.driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.getAttribute(arguments[1]));",
+            selector, name)
+
+    def texts(self, selector: str) -> list[str]:
+        """The rendered text of every element matching `selector`, in one script run (see `attrs`)."""
+        return self.driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText);", selector)
+
     def shot(self, name: str) -> Path:
         SHOTS.mkdir(parents=True, exist_ok=True)
         path = SHOTS / f"{name}.png"
@@ -151,13 +163,11 @@ def chat(base: str, stream: bool = True) -> None:
 
 def test_every_pool_and_replica_is_shown(page: Page, stack: tuple[GatewayProcess, list[SimProcess]]) -> None:
     _, sims = stack
-    page.wait("three available replicas",
-              lambda: len([r for r in page.css("tr.replica") if r.get_attribute("data-state") == "available"]) == 3)
-    shown = {r.get_attribute("data-replica") for r in page.css("tr.replica")}
-    assert shown == {s.url for s in sims}
-    assert {p.get_attribute("data-pool") for p in page.css("div.pool")} == {"interactive", "repository"}
-    assert "ceiling 32K tokens" in page.css("#pool-interactive")[0].text
-    assert {c.get_attribute("data-class") for c in page.css("tr.traffic-class")} == {"interactive", "repository"}
+    page.wait("three available replicas", lambda: page.attrs("tr.replica", "data-state").count("available") == 3)
+    assert set(page.attrs("tr.replica", "data-replica")) == {s.url for s in sims}
+    assert set(page.attrs("div.pool", "data-pool")) == {"interactive", "repository"}
+    assert "ceiling 32K tokens" in page.texts("#pool-interactive")[0]
+    assert set(page.attrs("tr.traffic-class", "data-class")) == {"interactive", "repository"}
     assert page.console_errors() == []
 
 
@@ -166,12 +176,16 @@ def test_a_requests_waterfall_appears(page: Page) -> None:
     time.sleep(0.3)  # the ring records requests that arrive once the page has polled
     for _ in range(3):
         chat(page.base)
-    rows = page.wait("a request with its stages", lambda: [r for r in page.css("tr.recent-request")
-                                                            if len(r.find_elements("css selector", ".waterfall span")) >= 3])
-    stages = {s.get_attribute("title").split(":")[0] for s in rows[0].find_elements("css selector", ".waterfall span")}
+    # the stage titles of the newest request with at least three, read in one script run (the page redraws)
+    titles = page.wait("a request with its stages", lambda: page.driver.execute_script(
+        "for (const r of document.querySelectorAll('tr.recent-request')) {"
+        "  const t = Array.from(r.querySelectorAll('.waterfall span')).map(s => s.getAttribute('title'));"
+        "  if (t.length >= 3) return t; }"
+        "return null;"))
+    stages = {title.split(":")[0] for title in titles}
     assert {"gateway", "engine queue + prefill", "decode"} <= stages, stages
     page.wait("TTFT percentiles for the class", lambda: any(
-        "ms" in c.text for c in page.css('tr.traffic-class[data-class="interactive"] td')[6:8]))
+        "ms" in text for text in page.texts('tr.traffic-class[data-class="interactive"] td')[6:8]))
     page.shot("status-page")
     assert page.console_errors() == []
 
@@ -187,7 +201,7 @@ def test_a_killed_replica_turns_unavailable_within_two_health_intervals(
     page.wait("the killed replica unavailable", lambda: page.css(row)[0].get_attribute("data-state") != "available",
               timeout=2 * HEALTH_INTERVAL_S)
     took = time.monotonic() - killed
-    print(f"killed replica shown {page.css(row)[0].get_attribute('data-state')} after {took:.2f} s "
+    print(f"killed replica shown {page.attrs(row, 'data-state')} after {took:.2f} s "
           f"(health interval {HEALTH_INTERVAL_S} s)")
     page.shot("replica-killed")
     assert page.console_errors() == []
@@ -198,11 +212,11 @@ def test_a_bad_config_edit_shows_its_error_and_line(page: Page, stack: tuple[Gat
     good = gw.config_path.read_text()
     try:
         gw.config_path.write_text(good.replace("max_model_len: 131072", "max_model_len: -5"))
-        status = page.wait("the reload rejected", lambda: page.css('#reload-status[data-ok="false"]'))
-        problems = page.wait("the problem", lambda: page.css(".reload-problem"))
-        text = " ".join(p.text for p in problems)
+        status = page.wait("the reload rejected", lambda: page.texts('#reload-status[data-ok="false"]'))
+        problems = page.wait("the problem", lambda: page.texts(".reload-problem"))
+        text = " ".join(problems)
         assert "max_model_len" in text and "line" in text, text
-        assert "REJECTED" in status[0].text
+        assert "REJECTED" in status[0]
         page.shot("config-rejected")
     finally:
         gw.config_path.write_text(good)
