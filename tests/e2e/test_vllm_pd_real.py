@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pools.vllm_local.pd import PdPair, decode_body, prefill_body, start_pd_pair
 from tests.vllm_fixtures import SKIP_ENV, vllm_skipped
 
-pytestmark = [pytest.mark.vllm, pytest.mark.vllm_pd]
+# the first test's setup boots the pair: ~2-6 minutes on a 2-core machine
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_pd, pytest.mark.timeout(900)]
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 BLOCK_SIZE = 128
