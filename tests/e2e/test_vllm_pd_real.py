@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,9 +38,25 @@ def pd_pair() -> Iterator[PdPair]:
     # before its first heartbeat, and the prefill side would free (but, idle, not reuse) the blocks meanwhile.
     pair = start_pd_pair(2048, extra_config={"kv_lease_duration": 120})
     try:
+        _handshake(pair)
         yield pair
     finally:
         pair.stop()
+
+
+def _handshake(pair: PdPair, attempts: int = 5) -> None:
+    """One request through the pair until the decode server's NIXL handshake with the prefill server succeeds. vLLM
+    waits 5 s for the handshake's reply (a fixed zmq timeout in nixl/base_worker.py); the first one, UCX setting up,
+    can take longer on a slow 2-core machine and fails that request with a 500. Once made, it is reused, so the tests'
+    own metric deltas start after it."""
+    body = {"model": MODEL, "prompt": token_prompt(99, 300), "max_tokens": 2, "temperature": 0}
+    with httpx.Client(timeout=TIMEOUT) as c:
+        for _ in range(attempts):
+            prefilled = post(c, pair.prefill.url, prefill_body(body))
+            if c.post(pair.decode.url + "/v1/completions", json=decode_body(body, prefilled)).status_code == 200:
+                return
+            time.sleep(2)
+    raise AssertionError(f"the decode server's NIXL handshake with the prefill server failed {attempts} times")
 
 
 @pytest.fixture(scope="module")
