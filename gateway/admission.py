@@ -303,7 +303,7 @@ class TrafficControl:
         if key is not None:
             choice = restrict_to_key(choice, key, forced=choice.reason == "forced")
         cls = resolve_class(traffic, self._by_size, _natural_pool(choice),
-                            _header(request.scope["headers"], _CLASS_HEADER_RAW), key)
+                            raw_header(request.scope["headers"], _CLASS_HEADER_RAW), key)
         record.traffic_class = cls
         priority = request_priority(traffic, cls, profile.thinking_mode)
         if key is not None and (key.requests_per_minute or key.tokens_per_minute):
@@ -402,7 +402,7 @@ class TrafficControl:
 _CLASS_HEADER_RAW = CLASS_HEADER.encode("latin-1")
 
 
-def _header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
+def raw_header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     """The first value of header `name` (lower case), as `request.headers.get` reads it (ASGI servers lower-case
     header names) without its KeyError when the header is absent, which is the usual case."""
     for key, value in raw:

@@ -21,7 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admission import Admitted
+from gateway.admission import Admitted, raw_header
 from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.disagg import Disaggregation
 from gateway.errors import UpstreamFailure, rejected_response
@@ -200,13 +200,8 @@ class Coordinator:
     def with_slos(self, request: Request, record: RequestRecord, routing: RoutingRequest) -> RoutingRequest:
         """The routing request with its TTFT/TPOT objectives, when any apply (x-slo-* headers, or the class's target
         with routing.slo_aware on)."""
-        ttft_ms = tpot_ms = None
-        for name, value in request.scope["headers"]:  # one pass over the raw headers (most requests send neither)
-            if name.startswith(b"x-slo-"):
-                if name == _SLO_TTFT_RAW and ttft_ms is None:
-                    ttft_ms = value.decode("latin-1")
-                elif name == _SLO_TPOT_RAW and tpot_ms is None:
-                    tpot_ms = value.decode("latin-1")
+        raw = request.scope["headers"]  # read raw: Starlette's Headers costs ~0.5 µs per absent name
+        ttft_ms, tpot_ms = raw_header(raw, _SLO_TTFT_RAW), raw_header(raw, _SLO_TPOT_RAW)
         aware = self.gw.config.routing.slo_aware
         if ttft_ms is None and tpot_ms is None and not aware:
             return routing

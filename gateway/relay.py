@@ -56,29 +56,26 @@ def upstream_payload(
 
     Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
     again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
-    added: dict[str, Any] = {}
-    changed = False
+    added: dict[str, Any] = {}  # fields the client did not send
+    changed = False  # a field it sent, now with another value
+
+    def put(key: str, value: Any) -> None:
+        nonlocal changed
+        if key in body:
+            changed = True
+        else:
+            added[key] = value
+        body[key] = value
+
     if priority is not None and body.get("priority") != priority:
-        if "priority" in body:
-            changed = True
-        else:
-            added["priority"] = priority
-        body["priority"] = priority
+        put("priority", priority)
     if body.get("model") != model:
-        if "model" in body:
-            changed = True
-        else:
-            added["model"] = model
-        body["model"] = model
+        put("model", model)
     strip_usage = False
     if stream and api in ("chat", "completions"):
         options = body.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
-            if "stream_options" in body:
-                changed = True
-            else:
-                added["stream_options"] = {"include_usage": True}
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            put("stream_options", {**(options if isinstance(options, dict) else {}), "include_usage": True})
             strip_usage = True
     if changed:
         return orjson.dumps(body), strip_usage

@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import xxhash
 
@@ -94,6 +94,11 @@ def tool_key(call_id: str) -> int:
     return xxhash.xxh3_64_intdigest(call_id.encode("utf-8", "surrogatepass"))
 
 
+def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """isinstance(value, Mapping) without the ABC check for the usual dict and None (~1 µs each otherwise)."""
+    return type(value) is dict or (value is not None and isinstance(value, Mapping))
+
+
 def _count(value: Any) -> int:
     return value if type(value) is int and value > 0 else 0
 
@@ -101,21 +106,19 @@ def _count(value: Any) -> int:
 def usage_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of an answer's usage in any of the four APIs' shapes. Anthropic's
     `input_tokens` excludes cache reads and writes, so the prompt is their sum there."""
-    if not isinstance(usage, dict):
-        if not isinstance(usage, Mapping):
-            return 0, 0, 0
+    if not _is_mapping(usage):
+        return 0, 0, 0
     prompt = usage.get("prompt_tokens")
     if prompt is not None:  # Chat and Completions, the common case
         details = usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if type(details) is dict or (
-            details is not None and isinstance(details, Mapping)) else 0
+        cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
         return _count(prompt), _count(usage.get("completion_tokens")), cached
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read = _count(usage.get("cache_read_input_tokens"))
         prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
         return prompt, _count(usage.get("output_tokens")), read
     details = usage.get("input_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+    cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
     return _count(usage.get("input_tokens")), _count(usage.get("output_tokens")), cached
 
 
