@@ -25,10 +25,10 @@ from policies.sessions import (
     SESSION_HEADERS,
     SseToolCallScanner,
     answer_tool_call_ids,
-    history_keys,
     identify,
     redacted,
     turn_facts,
+    turn_facts_and_keys,
 )
 from pools.sessions import Session, SessionStore, Turn
 
@@ -105,10 +105,11 @@ class SessionTracker:
         store = self.store
         now = self.wall() - (monotonic_now - record.t_arrival)  # its arrival, on the wall clock
         identity = identify(session_headers(raw_headers), body, api, self.config.max_id_chars)
-        lookup_key = register_key = None
-        kind, tool_ids = turn_facts(body, api)
         if identity.id is None:  # inferred: by the tool results it carries, else by its history
-            lookup_key, register_key = history_keys(body, api)
+            kind, tool_ids, lookup_key, register_key = turn_facts_and_keys(body, api)
+        else:
+            kind, tool_ids = turn_facts(body, api)
+            lookup_key = register_key = None
         session, source = store.resolve(identity, tool_ids if identity.id is None else (), lookup_key, now)
         turn = store.begin_turn(session, kind, now)
         session.traffic_class = record.traffic_class or session.traffic_class

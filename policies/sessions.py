@@ -260,6 +260,16 @@ def turn_facts(body: Mapping[str, Any], api: str) -> tuple[str, tuple[str, ...]]
     return "user", ids
 
 
+def turn_facts_and_keys(body: Mapping[str, Any], api: str,
+                        scope: str = "") -> tuple[str, tuple[str, ...], int | None, int]:
+    """`turn_facts` and `history_keys` together, for a request that names no session (it is found by these): the
+    history walk already knows whether there is a model item, so the turn kind costs no second walk."""
+    ids, found = _trailing_results(body, api)
+    lookup, register, boundary = _history(body, api, scope)
+    kind = "tool_result" if found else "first" if api == "completions" or boundary < 0 else "user"
+    return kind, ids, lookup, register
+
+
 # -- history keys ------------------------------------------------------------------------------------------------
 
 _DROPPED_PART_KEYS = ("cache_control",)  # moves between turns (Anthropic prompt caching); not conversation
@@ -341,7 +351,13 @@ def history_keys(body: Mapping[str, Any], api: str, scope: str = "") -> tuple[in
     previous turn's register_key: turn 2 = [sys, u1, A1, u2] looks up H([sys, u1]), which turn 1 registered. The
     system prompt (Chat's system message, Responses' `instructions`, Anthropic's `system`) counts as the first item.
     `scope` (e.g. the API key's id) keeps two tenants' identical openings apart."""
-    state = xxhash.xxh3_64(seed=_seed(scope))
+    lookup, register, _ = _history(body, api, scope)
+    return lookup, register
+
+
+def _history(body: Mapping[str, Any], api: str, scope: str) -> tuple[int | None, int, int]:
+    """history_keys' (lookup_key, register_key), and the index where the last run of model items starts (-1: none)."""
+    state = xxhash.xxh3_64(seed=_seed(scope)) if scope else xxhash.xxh3_64()
     update = state.update
     items = _items(body, api) if api != "completions" else ()
     system = body.get("instructions") if api == "responses" else body.get("system") if api == "messages" else None
@@ -363,7 +379,7 @@ def history_keys(body: Mapping[str, Any], api: str, scope: str = "") -> tuple[in
         if i == boundary and (i > 0 or system is not None):  # an empty history would match every other empty one
             lookup = state.intdigest()
         update(_canonical(item, api))
-    return lookup, state.intdigest()
+    return lookup, state.intdigest(), boundary
 
 
 # -- tool-call ids in answers --------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from policies.sessions import (
     identify,
     redacted,
     tool_result_ids,
+    turn_facts,
+    turn_facts_and_keys,
     turn_kind,
 )
 
@@ -157,6 +159,34 @@ def test_odd_requests_have_no_tool_results_and_never_raise(body: dict) -> None:
         assert tool_result_ids(body, api) == ()
         turn_kind(body, api)
         history_keys(body, api)
+        turn_facts_and_keys(body, api)
+
+
+_ITEM = st.one_of(
+    st.none(), st.integers(-9, 9), st.text(max_size=3),  # bodies come from orjson: 64-bit integers at most
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "developer", 7])},
+                          optional={"content": st.one_of(st.text(max_size=5), st.lists(st.fixed_dictionaries(
+                              {"type": st.sampled_from(["text", "tool_result", "thinking"])},
+                              optional={"text": st.text(max_size=3), "tool_use_id": st.text(max_size=3)}),
+                              max_size=2)),
+                                    "tool_call_id": st.one_of(st.text(max_size=3), st.integers(-9, 9)),
+                                    "tool_calls": st.lists(st.fixed_dictionaries({"id": st.text(max_size=3)}),
+                                                           max_size=2),
+                                    "type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                             "reasoning", None]),
+                                    "call_id": st.text(max_size=3)}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(_ITEM, max_size=6), api=st.sampled_from(["chat", "completions", "responses", "messages"]),
+       system=st.one_of(st.none(), st.text(max_size=3)), scope=st.sampled_from(["", "key-a"]))
+def test_the_one_walk_gives_what_turn_facts_and_history_keys_give(items: list, api: str, system: str | None,
+                                                                  scope: str) -> None:
+    body: dict = {"input" if api == "responses" else "messages": items}
+    if system is not None:
+        body["instructions" if api == "responses" else "system"] = system
+    kind, ids = turn_facts(body, api)
+    assert turn_facts_and_keys(body, api, scope) == (kind, ids, *history_keys(body, api, scope))
 
 
 # -- history keys ------------------------------------------------------------------------------------------------
@@ -334,6 +364,7 @@ def test_odd_json_never_raises(body: dict) -> None:
         tool_result_ids(body, api)
         turn_kind(body, api)
         history_keys(body, api)
+        turn_facts_and_keys(body, api)
         raw = orjson.dumps(body)
         answer_tool_call_ids(raw, api)
         scanner = SseToolCallScanner(api)
