@@ -345,6 +345,9 @@ class Coordinator:
         uncached = attempt.profile.prompt_tokens - target.matched_blocks * pool.config.block_size
         guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget, max(0, uncached))
         record.t_sent = gw.clock()
+        decision = target.decision
+        if decision is not None and decision.prefill_plan is not None and decision.replica == replica.url:
+            replica.plan_step(record.t_sent, decision.prefill_plan)
         gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
         gw.shared.on_dispatch(pool.name, replica.url, routing)
         upstream: aiohttp.ClientResponse | None = None
@@ -372,6 +375,12 @@ class Coordinator:
                 first_chunk = await upstream.content.readany()
                 record.t_first_byte = gw.clock()
                 guard.first_token()  # its prefill no longer waits ahead of the replica's next requests
+                plan = decision.prefill_plan if decision is not None else None
+                model = gw.latency.get(pool.name)
+                if plan is not None and model is not None and decision.replica == replica.url and first_chunk:
+                    # the engine cost behind the replica's step clock learns at once, not when the stream ends
+                    actual = record.t_first_byte - record.t_sent
+                    model.learn_cost(plan[1], actual - plan[0], actual)
                 watch.stop()  # the StreamRelay watches for the disconnect from here on
                 return StreamRelay(
                     upstream, response_headers(upstream.headers, extra), guard, record,

@@ -221,7 +221,7 @@ def serve_instrumented(config_path: str, port: int, log_dir: str) -> int:
     whose worst lags go to loop_lag.json every second. Nothing about routing changes."""
     from gateway import coordinator, runtime
     from gateway.server import serve
-    from policies import latency_model
+    from policies import latency_model, replica_choice
 
     folder = Path(log_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -247,11 +247,27 @@ def serve_instrumented(config_path: str, port: int, log_dir: str) -> int:
             "actual": record.t_first_byte - record.t_sent, "pred": decision.predicted_ttft_s,
             "p90": decision.predicted_ttft_p90_s, "runner_up": decision.runner_up_ttft_s,
             "slo_met": decision.slo_met, "tpot": tpot, "pred_tpot": decision.predicted_tpot_s,
-            "learn_us": took / 1000.0, "x": decision.features, "t_sent": record.t_sent,
+            "learn_us": took / 1000.0, "x": decision.features,
+            "raw": raw_inputs.get(id(decision.features)), "t_sent": record.t_sent,
             "t_first": record.t_first_byte, "t_last": record.t_last_byte,
         }) + "\n")
 
     coordinator.Coordinator._learn_from_answer = learn  # type: ignore[method-assign]
+    raw_inputs: dict[int, dict[str, Any]] = {}  # id(features tuple) → the raw figures it was computed from
+    features_of = replica_choice.PrefixAffinity._features
+
+    def features(self: Any, c: Any) -> tuple[tuple[float, ...], Any]:
+        x, plan = features_of(self, c)
+        r = c.replica
+        raw_inputs[id(x)] = {"queued": r.prefill_tokens, "uncached": c.uncached_tokens,
+                             "in_flight": r.in_flight, "waiting": r.waiting, "running": r.running,
+                             "kv": r.kv_usage, "tpot": r.tpot_s, "age": r.metrics_age_s, "plan": plan,
+                             "cost": self.calibrator.cost.view()}
+        if len(raw_inputs) > 4096:
+            del raw_inputs[next(iter(raw_inputs))]
+        return x, plan
+
+    replica_choice.PrefixAffinity._features = features  # type: ignore[method-assign]
     calib_ns: list[int] = []
     calibrator_learn = latency_model.TtftCalibrator.learn
 

@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 import xxhash
 
-from policies.latency_model import TtftCalibrator, ttft_features
+from policies.latency_model import TtftCalibrator, prefill_plan, ttft_features
 from policies.snapshot import NoReplicaAvailable, ReplicaSnapshot, RoutingDecision, RoutingRequest
 
 __all__ = [
@@ -389,7 +389,6 @@ class PrefixAffinity:
         self._record_request = getattr(prefix_index, "record_request", None)
         self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
-        self._rate: float | None = None  # the lowest pool prefill s/token seen (the calibrated features' rate)
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
         """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
@@ -405,8 +404,6 @@ class PrefixAffinity:
         prompt_tokens = request.prompt_tokens
         chunk_tokens = params.chunk_tokens
         rate = prefill_rate(replicas) if params.pool_prefill_rate else None
-        if rate is not None and (self._rate is None or rate < self._rate):
-            self._rate = rate
         shares = self._uncached_share if params.queue_uncached_alpha is not None else {}
         for r in replicas:
             if not r.healthy or r.draining:
@@ -449,9 +446,9 @@ class PrefixAffinity:
             reason = "all_saturated"
         elif reason == "affinity_hit" and chosen.source:
             reason = f"affinity_hit:{chosen.source}"  # exact (the replica's KV events) or approx (estimated)
-        predicted, p90, runner_up, features, slo_met = chosen.predicted_ttft_s, None, None, None, None
+        predicted, p90, runner_up, features, slo_met, plan = chosen.predicted_ttft_s, None, None, None, None, None
         if self.calibrator is not None:
-            chosen, reason, predicted, p90, runner_up, features, slo_met = self._calibrated(
+            chosen, reason, predicted, p90, runner_up, features, slo_met, plan = self._calibrated(
                 request, usable, chosen, reason)
 
         if params.queue_uncached_alpha is not None:
@@ -471,55 +468,56 @@ class PrefixAffinity:
             features=features,
             slo_met=slo_met,
             predicted_tpot_s=chosen.replica.tpot_s,
+            prefill_plan=plan,
         )
 
-    def _features(self, c: Candidate) -> tuple[float, ...]:
-        """The calibrated model's inputs. Its analytic figure is the prefill work ahead as this gateway knows it
-        exactly: the uncached tokens it sent the replica that have not reached their first token (queued or
-        still prefilling, long prompts included), plus this request's, at the lowest prefill rate the pool has
-        shown (the engines' compute rate: the current one is inflated by queueing, which is what is being
-        predicted, and would feed it back as noise), plus one step.
-        Measured on bench_slo's traces it explains log TTFT far better than the scraped queue (in-sample MAPE
-        0.31 against 0.60 with the routing's own estimate). Requests the replica reports waiting beyond all this
-        gateway has in flight there (other gateways') count as this request's size each."""
+    def _features(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, int, float]]:
+        """The calibrated model's inputs and the replica's step plan. The median is the replica's virtual step clock
+        (policies/latency_model.prefill_plan) at the pool's learnt engine cost: when this request's prefill step
+        would start and end, given what this gateway sent the replica and when. Requests the replica reports waiting
+        beyond all this gateway has in flight there (other gateways') count as this request's size each."""
         r = c.replica
-        waiting, running = queue_estimate(r, self.params)
-        rate = self._rate if self._rate is not None else r.prefill_s_per_token
-        tokens = r.prefill_tokens + c.uncached_tokens
+        assert self.calibrator is not None
+        cost = self.calibrator.cost
+        uncached = c.uncached_tokens
+        queued = r.prefill_tokens
         others = (r.waiting or 0.0) - r.in_flight
-        if others > 0.0:
-            tokens += others * c.uncached_tokens
-        return ttft_features(tokens * rate + r.tpot_s, c.uncached_tokens, waiting, running, r.kv_usage)
+        plan = prefill_plan(cost, r.step_starts_in, r.step_ends_in, r.step_tokens, uncached, queued)
+        if others > 0.0:  # unseen work ahead: it delays the step, without changing what the step holds
+            extra = others * cost.seconds(uncached)
+            plan = (plan[0] + extra, plan[1], plan[2] + extra)
+        waiting, running = queue_estimate(r, self.params)
+        return ttft_features(plan[2], uncached, waiting, running, r.kv_usage), plan
 
     def _calibrated(
         self, request: RoutingRequest, usable: Sequence[Candidate], chosen: Candidate, reason: str
-    ) -> tuple[Candidate, str, float, float, float | None, tuple[float, ...], bool | None]:
+    ) -> tuple[Candidate, str, float, float, float | None, tuple[float, ...], bool | None, tuple[float, int, float]]:
         """The chosen replica's calibrated TTFT (median, P90) and the runner-up's median; with an SLO, a move to a
         replica predicted to meet it when the chosen one is predicted to miss it (the cache-affine choice stays
         whenever it meets the SLO). Only the chosen and runner-up are calibrated unless an SLO is at risk: the
         decision's cost stays close to the analytic model's."""
         calibrator = self.calibrator
         assert calibrator is not None
-        features = self._features(chosen)
+        features, plan = self._features(chosen)
         median, p90 = calibrator.predict(features)
         others = [c for c in usable if c is not chosen]
         runner = min(others, key=lambda c: c.predicted_ttft_s) if others else None
-        runner_up = calibrator.predict(self._features(runner))[0] if runner is not None else None
+        runner_up = calibrator.predict(self._features(runner)[0])[0] if runner is not None else None
         ttft_slo, tpot_slo = request.ttft_slo_s, request.tpot_slo_s
         if ttft_slo is None and tpot_slo is None:
-            return chosen, reason, median, p90, runner_up, features, None
+            return chosen, reason, median, p90, runner_up, features, None, plan
 
         def meets(c: Candidate, p90_s: float) -> bool:
             return (ttft_slo is None or p90_s <= ttft_slo) and (tpot_slo is None or c.replica.tpot_s <= tpot_slo)
 
         if meets(chosen, p90):
-            return chosen, reason, median, p90, runner_up, features, True
+            return chosen, reason, median, p90, runner_up, features, True, plan
         for c in sorted(others, key=lambda c: c.predicted_ttft_s):
-            x = self._features(c)
+            x, c_plan = self._features(c)
             c_median, c_p90 = calibrator.predict(x)
             if meets(c, c_p90):
-                return c, "slo_move", c_median, c_p90, median, x, True
-        return chosen, reason, median, p90, runner_up, features, False
+                return c, "slo_move", c_median, c_p90, median, x, True, c_plan
+        return chosen, reason, median, p90, runner_up, features, False, plan
 
     def dispatched(self, request: RoutingRequest, replica: str, now: float) -> None:
         """The request went to `replica`: its blocks are there now, its session follows it, and the replica's

@@ -35,6 +35,9 @@ class ReplicaSnapshot:
     kv_blocks: int | None = None  # KV cache capacity in blocks (config or vllm:cache_config_info)
     block_size: int = 128  # the replica's --block-size
     prefill_tokens: int = 0  # uncached prompt tokens this gateway sent it that have not reached a first token
+    step_starts_in: float = 0.0  # the replica's virtual step clock (policies/latency_model.prefill_plan): the last
+    step_ends_in: float = 0.0  # planned prefill step's start and end, seconds from now (≤ 0: passed)
+    step_tokens: int = 0  # and the uncached tokens planned into it
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,8 @@ class RoutingDecision:
     predicted_tpot_s: float | None = None  # the chosen replica's time per output token (its EWMA)
     features: tuple[float, ...] | None = None  # the chosen replica's calibration inputs, to learn from its answer
     slo_met: bool | None = None  # with an SLO: whether the chosen replica is predicted to meet it
+    prefill_plan: tuple[float, int, float] | None = None  # the chosen replica's step: (wait before it, its tokens,
+    # predicted TTFT), for the replica's step clock at the send and the pool's cost model at the first token
 
 
 class NoReplicaAvailable(Exception):

@@ -84,6 +84,9 @@ class Replica:
     in_flight: int = 0
     in_flight_tokens: int = 0
     prefill_tokens: int = 0  # uncached prompt tokens sent to it that have not reached their first token yet
+    step_start: float = 0.0  # its virtual prefill step clock (monotonic): the last planned step's start and end,
+    step_end: float = 0.0
+    step_tokens: int = 0  # and its uncached tokens
     # scraped load
     scraped: ScrapedLoad | None = None
     scraped_at: float | None = None
@@ -117,7 +120,16 @@ class Replica:
             self.kv_blocks,  # kv_blocks
             self.block_size,  # block_size
             self.prefill_tokens,  # prefill_tokens
+            self.step_start - now,  # step_starts_in
+            self.step_end - now,  # step_ends_in
+            self.step_tokens,  # step_tokens
         )
+
+    def plan_step(self, now: float, plan: tuple[float, int, float]) -> None:
+        """A request was sent with the routing decision's `prefill_plan`: its step is now the replica's last planned
+        one (policies/latency_model.prefill_plan)."""
+        offset, tokens, ttft = plan
+        self.step_start, self.step_end, self.step_tokens = now + offset, now + ttft, tokens
 
     def guard(self, tokens: int, prefill_tokens: int = 0) -> LoadGuard:
         """Count one request and its tokens as in flight until the guard is released (idempotently), and its

@@ -16,12 +16,13 @@ def test_replica_snapshot_fields_land_by_name() -> None:
     replica = Replica(url="http://10.0.0.1:8000", pool="p", block_size=64, kv_blocks=777, healthy=True,
                       draining=True, ejected_until=5.0, in_flight=3, in_flight_tokens=4000,
                       scraped=ScrapedLoad(waiting=2.0, running=6.0, kv_usage=0.5), scraped_at=90.0,
-                      prefill_s_per_token=1e-5, tpot_s=0.03, prefill_tokens=1234)
+                      prefill_s_per_token=1e-5, tpot_s=0.03, prefill_tokens=1234, step_start=100.5, step_end=101.25,
+                      step_tokens=700)
     snap = replica.snapshot(100.0, remote_in_flight=2)
     assert snap == ReplicaSnapshot(url="http://10.0.0.1:8000", pool="p", healthy=True, draining=True, in_flight=5,
                                    in_flight_tokens=4000, waiting=2.0, running=6.0, kv_usage=0.5, metrics_age_s=10.0,
                                    prefill_s_per_token=1e-5, tpot_s=0.03, kv_blocks=777, block_size=64,
-                                   prefill_tokens=1234)
+                                   prefill_tokens=1234, step_starts_in=0.5, step_ends_in=1.25, step_tokens=700)
     assert replica.snapshot(4.0).healthy is False  # still ejected
     never = Replica(url="u", pool="p").snapshot(1.0)
     assert (never.waiting, never.running, never.kv_usage, never.metrics_age_s) == (None, None, None, None)
