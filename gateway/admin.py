@@ -65,9 +65,14 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
                 "prefix_index_capacity": gw.prefix_index.capacity(replica.url),
                 "prefill_s_per_token": replica.prefill_s_per_token,
                 "tpot_s": replica.tpot_s,
+                "prefill_step_ends_in_s": round(max(0.0, snap.step_ends_in), 4),  # its virtual step clock
+                "queued_prefill_tokens": snap.prefill_tokens,
             }
+        model = gw.latency.get(name)
         pools[name] = {"max_model_len": pool.config.max_model_len, "modalities": pool.config.modalities,
-                       "policy": gw.config.routing.policy, "replicas": replicas}
+                       "policy": gw.config.routing.policy, "replicas": replicas,
+                       # the TTFT model: the learnt engine step cost, the P90's coefficients and residual spread
+                       "latency_model": model.coefficients() if model is not None else None}
     return pools
 
 

@@ -16,7 +16,7 @@ and elapsed time were what that estimate could not see.
 
 The P90. `TtftCalibrator` learns log(TTFT) ≈ k · [1, log(median), uncached/8K, waiting/8, running/16, kv_usage] at
 q = 0.9 by online quantile regression (a pinball-loss SGD step per finished stream), floored by the median × the
-running 0.9-quantile of the median's log residuals. A fresh model's P90 is 2 × the median. Plain SGD and RLS rather
+running 0.9-quantile of the median's log residuals. A fresh model's P90 is 1.5 × the median. Plain SGD and RLS rather
 than a library model: a handful of coefficients, a step costs a few µs, a prediction is a dot product (the routing
 decision must stay within 1.5× of its cost before predictions), and there is nothing to pickle or retrain in a thread.
 
@@ -147,7 +147,7 @@ class TtftCalibrator:
     alone lags when the load shifts (each step moves it by lr·q at most): on bench_slo's bursty traces its coverage
     was 0.73–0.83, with the spread floor 0.81–0.87 overall and 0.89–0.94 once warmed up (target 0.85–0.95)."""
 
-    def __init__(self, lr: float = 0.05, p90_start: float = 2.0, spread_lr: float = 0.1) -> None:
+    def __init__(self, lr: float = 0.05, p90_start: float = 1.5, spread_lr: float = 0.1) -> None:
         self.lr = lr
         self.cost = PrefillCost()
         self.p90 = _Quantile(0.9, [math.log(p90_start), 1.0, 0.0, 0.0, 0.0, 0.0])

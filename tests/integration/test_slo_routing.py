@@ -74,6 +74,9 @@ def test_a_slow_pool_yields_to_a_larger_one_predicted_to_meet_the_objective(
     try:
         for _ in range(8):
             assert _stream(gateway).headers["x-m3gate-pool"] == "small"
+        # the small pool's engine cost model learnt the slowness from the first tokens (operators see it)
+        model = httpx.get(gateway.url + "/admin/pools", timeout=5).json()["pools"]["small"]["latency_model"]
+        assert model["cost"]["samples"] >= 8 and model["cost"]["step_s"] > 0.3, model
         before = _reason(gateway, "large", "slo_spill")
         r = _stream(gateway, {"x-slo-ttft-ms": "300"})
         assert r.status_code == 200 and r.headers["x-m3gate-pool"] == "large"
