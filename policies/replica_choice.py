@@ -471,23 +471,28 @@ class PrefixAffinity:
             prefill_plan=plan,
         )
 
-    def _features(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, int, float]]:
-        """The calibrated model's inputs and the replica's step plan. The median is the replica's virtual step clock
-        (policies/latency_model.prefill_plan) at the pool's learnt engine cost: when this request's prefill step
+    def _plan(self, c: Candidate) -> tuple[float, int, float]:
+        """The replica's step plan for this request; its TTFT is the calibrated median. The replica's virtual step
+        clock (policies/latency_model.prefill_plan) at the pool's learnt engine cost: when this request's prefill step
         would start and end, given what this gateway sent the replica and when. Requests the replica reports waiting
         beyond all this gateway has in flight there (other gateways') count as this request's size each."""
         r = c.replica
         assert self.calibrator is not None
         cost = self.calibrator.cost
         uncached = c.uncached_tokens
-        queued = r.prefill_tokens
+        plan = prefill_plan(cost, r.step_starts_in, r.step_ends_in, r.step_tokens, uncached, r.prefill_tokens)
         others = (r.waiting or 0.0) - r.in_flight
-        plan = prefill_plan(cost, r.step_starts_in, r.step_ends_in, r.step_tokens, uncached, queued)
         if others > 0.0:  # unseen work ahead: it delays the step, without changing what the step holds
             extra = others * cost.seconds(uncached)
-            plan = (plan[0] + extra, plan[1], plan[2] + extra)
+            return plan[0] + extra, plan[1], plan[2] + extra
+        return plan
+
+    def _features(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, int, float]]:
+        """The calibrated model's inputs (for the P90) and the replica's step plan."""
+        plan = self._plan(c)
+        r = c.replica
         waiting, running = queue_estimate(r, self.params)
-        return ttft_features(plan[2], uncached, waiting, running, r.kv_usage), plan
+        return ttft_features(plan[2], c.uncached_tokens, waiting, running, r.kv_usage), plan
 
     def _calibrated(
         self, request: RoutingRequest, usable: Sequence[Candidate], chosen: Candidate, reason: str
@@ -502,7 +507,7 @@ class PrefixAffinity:
         median, p90 = calibrator.predict(features)
         others = [c for c in usable if c is not chosen]
         runner = min(others, key=lambda c: c.predicted_ttft_s) if others else None
-        runner_up = calibrator.predict(self._features(runner)[0])[0] if runner is not None else None
+        runner_up = self._plan(runner)[2] if runner is not None else None  # the median is the plan's TTFT
         ttft_slo, tpot_slo = request.ttft_slo_s, request.tpot_slo_s
         if ttft_slo is None and tpot_slo is None:
             return chosen, reason, median, p90, runner_up, features, None, plan
