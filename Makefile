@@ -22,8 +22,8 @@ redis:
 	@scripts/ensure-redis.sh
 
 test: venv redis vllm-env prometheus chromium
-	$(BIN)/python -m pytest -q -ra -m "not vllm_pd"
-	$(BIN)/python -m pytest -q -ra -m vllm_pd
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
+	$(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
 
 test-fast: venv redis prometheus chromium
 	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
