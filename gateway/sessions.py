@@ -79,6 +79,44 @@ class SessionTurn:
         return self._trace_id
 
 
+class OneShotTurn:
+    """The turn of a request that names no session and continues none: most are one-shots that nothing continues, so
+    it gets an id and no Session (`SessionStore.first_turn_id`); its answer is remembered under the keys it leaves
+    (`end_first_turn`), and a later turn that brings one back opens the session with this turn in it. Reads like a
+    SessionTurn whose `turn` is itself (index 1, no wait)."""
+
+    __slots__ = ("kind", "arrival", "register_key", "scanner", "tool_ids", "cache_path", "raw_ids", "session_id",
+                 "_trace_id")
+    index = 1
+    wait_kind = ""
+    wait_s = 0.0
+    final = False
+    source = "none"
+    previous_span = None
+
+    def __init__(self, session_id: str, kind: str, arrival: float, register_key: int,
+                 scanner: SseToolCallScanner | None, raw_ids: bool) -> None:
+        self.session_id = session_id
+        self.kind = kind
+        self.arrival = arrival  # wall clock
+        self.register_key = register_key
+        self.scanner = scanner
+        self.tool_ids: tuple[str, ...] = ()
+        self.cache_path = ""
+        self.raw_ids = raw_ids
+        self._trace_id: str | None = None
+
+    @property
+    def turn(self) -> OneShotTurn:
+        return self
+
+    @property
+    def trace_id(self) -> str:
+        if self._trace_id is None:
+            self._trace_id = self.session_id if self.raw_ids else redacted(self.session_id)
+        return self._trace_id
+
+
 class SessionTracker:
     """The gateway's sessions: a bounded store, shared through Redis when the gateway shares state."""
 
@@ -107,6 +145,12 @@ class SessionTracker:
         identity = identify(session_headers(raw_headers), body, api, self.config.max_id_chars)
         if identity.id is None:  # inferred: by the tool results it carries, else by its history
             kind, tool_ids, lookup_key, register_key = turn_facts_and_keys(body, api)
+            if not (store.shared or identity.final or identity.parent_id or identity.agent_id
+                    or store.continues(tool_ids, lookup_key)):
+                scan = body.get("stream") is True and bool(body.get("tools"))
+                record.session = OneShotTurn(store.first_turn_id(now), kind, now, register_key,
+                                             SseToolCallScanner(api) if scan else None, self.config.trace_ids == "raw")
+                return None
         else:
             kind, tool_ids = turn_facts(body, api)
             lookup_key = register_key = None
@@ -128,13 +172,18 @@ class SessionTracker:
     def end(self, record: RequestRecord, span: tuple[int, int] | None) -> None:
         """The request is over: close its turn (its answer's last byte, tool calls, usage). `span`: its sampled server
         span (trace id, span id), which the session's next turn links to."""
-        turn: SessionTurn | None = record.session
+        turn: SessionTurn | OneShotTurn | None = record.session
         if turn is None:
             return
         last = record.t_last_byte or record.t_first_byte
         last_byte = self.wall() - (time.monotonic() - last) if last else self.wall()
         answered = record.status == 200 and record.error is None and not record.client_disconnected
         tool_ids = (turn.scanner.ids if turn.scanner is not None else turn.tool_ids) if answered else ()
+        if type(turn) is OneShotTurn:
+            turn.cache_path = self.store.end_first_turn(
+                turn.session_id, turn.kind, turn.arrival, last_byte, tool_ids, turn.register_key if answered else None,
+                record.usage if answered else None, record.traffic_class, span)
+            return
         session = turn.session
         if record.traffic_class:
             session.traffic_class = record.traffic_class

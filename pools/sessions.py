@@ -263,7 +263,8 @@ class SessionStore:
         # remembered answers: tool-call id hash / history key → session id
         self._by_tool: _RecentKeys[int, str] = _RecentKeys(self.max_keys)
         self._by_history: _RecentKeys[int, str] = _RecentKeys(self.max_keys)
-        self._unopened: _RecentKeys[str, Session] = _RecentKeys(max_sessions)  # answered unnamed first turns, by id
+        # answered unnamed first turns, by id: a Session, or a light first turn's answer (`end_first_turn`)
+        self._unopened: _RecentKeys[str, Session | tuple[Any, ...]] = _RecentKeys(max_sessions)
         self._ended: deque[Session] = deque(maxlen=max_recent)
         self._outbox: deque[tuple[Any, ...]] = deque(maxlen=max_outbox)
         self._id_prefix = id_prefix if id_prefix is not None else f"m3s-{secrets.token_hex(4)}-"
@@ -321,6 +322,54 @@ class SessionStore:
         self.counters.resolved[source] += 1
         return session, source
 
+    # -- unnamed first turns, kept light ----------------------------------------------------------------------------
+    # Most requests that name no session and continue none are one-shots that nothing ever continues: they get an id
+    # and no Session at all (gateway/sessions.py's OneShotTurn); their answer is remembered as a tuple under its keys,
+    # and becomes a Session with that turn in it only when a later turn continues it (`_session`).
+
+    def continues(self, tool_ids: Sequence[str], lookup_key: int | None) -> bool:
+        """Whether a remembered answer continues a request carrying these tool results / this history key."""
+        by_tool = self._by_tool
+        for call_id in tool_ids:
+            if by_tool.get(tool_key(call_id)) is not None:
+                return True
+        return lookup_key is not None and self._by_history.get(lookup_key) is not None
+
+    def first_turn_id(self, now: float) -> str:
+        """A new session id for an unnamed first turn that continues nothing (`resolve`'s "none" case, light)."""
+        self._expire(now)
+        self.counters.resolved["none"] += 1
+        self._next_id += 1
+        return f"{self._id_prefix}{self._next_id:x}"
+
+    def end_first_turn(self, session_id: str, kind: str, arrival: float, last_byte: float, tool_call_ids: Iterable[str],
+                       register_key: int | None, usage: Mapping[str, Any] | None, traffic_class: str,
+                       span: tuple[int, int] | None) -> str:
+        """A light first turn's answer ended: remembered (unopened) when it left keys a later turn may bring back.
+        Returns its cache path, as `end_turn`."""
+        prompt, completion, cached = usage_counts(usage)
+        cache = "" if prompt <= 0 else "warm" if cached >= self.warm_share * prompt else "cold"
+        tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
+        if tool_keys or register_key is not None:
+            self._unopened.put(session_id, (kind, arrival, last_byte, prompt, completion, cached, tool_keys,
+                                            register_key, traffic_class, span))
+            if tool_keys:
+                put = self._by_tool.put
+                for key in tool_keys:
+                    put(key, session_id)
+            if register_key is not None:
+                self._by_history.put(register_key, session_id)
+        return cache
+
+    def _first_turn_session(self, session_id: str, kept: tuple[Any, ...]) -> Session:
+        """The unopened Session of a light first turn's remembered answer, with that turn in it."""
+        kind, arrival, last_byte, prompt, completion, cached, tool_keys, register_key, traffic_class, span = kept
+        session = Session(session_id, "none", arrival, last_seen=arrival, unopened=True, turns=1,
+                          traffic_class=traffic_class, last_span=span)
+        self._record(session, 1, kind, arrival, "", 0.0, last_byte, prompt, completion, cached, tool_keys,
+                     register_key)
+        return session
+
     def _session(self, session_id: str, source: str, now: float, parent: str | None = None,
                  agent: str | None = None) -> Session:
         """The open session `session_id`, or a new one (also when the old one idled out: a new stretch of work)."""
@@ -331,6 +380,8 @@ class SessionStore:
             self._end(session, "idle")
         else:  # an unnamed first turn this turn continues: it becomes an open session now, with that turn in it
             session = self._unopened.pop(session_id)
+            if type(session) is tuple:
+                session = self._first_turn_session(session_id, session)
             if session is not None and now - session.last_seen <= self.idle_timeout_s:
                 session.unopened = False
                 self._open[session_id] = session

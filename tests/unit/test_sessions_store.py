@@ -339,6 +339,43 @@ def test_bounds_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
     assert len(store.view()["recent"]) <= 2
 
 
+def test_a_light_first_turn_is_remembered_without_a_session_and_opens_one_when_continued() -> None:
+    """The gateway's path for a request that names no session and continues none (gateway/sessions.OneShotTurn):
+    an id, no Session; its answer kept as a tuple under its keys; a later turn that brings one back finds a session
+    with that first turn in it, timed and counted exactly as if the Session had existed all along."""
+    clock = Clock()
+    store = _store(clock, max_sessions=2, max_keys=64)
+    assert not store.continues(("c1",), 100)
+    ids = []
+    for i in range(10):
+        arrival = clock.advance(1)
+        session_id = store.first_turn_id(arrival)
+        ids.append(session_id)
+        cache = store.end_first_turn(session_id, "first", arrival, clock.advance(0.5), (f"c{i}",), 100 + i,
+                                     _usage(50, 40 if i == 9 else 0), "interactive", (7, 9) if i == 9 else None)
+        assert cache == ("warm" if i == 9 else "cold")
+    assert len(set(ids)) == 10 and len(store) == 0 and store.counters.resolved["none"] == 10
+    assert store.counters.sessions == 0 and store.view(raw_ids=True)["open"] == []
+    assert store.remembers(ids[9]) and store.continues(("c9",), None) and store.continues((), 108)
+    # an answer with no keys to come back by (failed, nothing to continue) is not kept
+    lost = store.first_turn_id(clock.advance(0))
+    store.end_first_turn(lost, "first", clock.now, clock.advance(0.1), (), None, None, "interactive", None)
+    assert not store.remembers(lost)
+
+    clock.advance(2.0)  # the tools of the last answer ran
+    session, source = store.resolve(NO_ID, ("c9",))
+    assert source == "tool_call" and session.id == ids[9] and store.get(session.id) is session
+    assert (session.traffic_class, session.last_span, session.turns, session.unopened) == ("interactive", (7, 9), 1,
+                                                                                          False)
+    turn = store.begin_turn(session, "tool_result")
+    assert (turn.index, turn.wait_kind) == (2, "tool") and turn.wait_s == pytest.approx(2.1)  # since c9's answer
+    store.end_turn(turn, clock.advance(1.0), (), None, _usage(80, 50))
+    assert (session.turns, session.prompt_tokens, session.warm_turns, session.cold_turns) == (2, 130, 2, 0)
+    described = store.view(raw_ids=True)["open"][0]
+    assert [t["index"] for t in described["recent_turns"]] == [1, 2]
+    assert store.resolve(NO_ID, (), 108)[1] == "history"
+
+
 def test_an_unnamed_first_turn_opens_a_session_only_when_a_later_turn_continues_it() -> None:
     """One-shot requests (no id, never continued) are not sessions: they neither fill the LRU nor evict named
     sessions, nor count as ended sessions. The first turn's facts are kept, so its continuation is turn 2."""
