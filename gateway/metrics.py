@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 from gateway.record import RequestRecord
 from pools.replicas import PoolRuntime
+from pools.sessions import usage_counts
 
 # Latency buckets from 1 ms to 10 min. Where vLLM has a boundary (TTFT: 1 ms … 160 s; request latency: 0.3 s … 480 s)
 # the same one is used, so gateway and replica histograms of one stage can be compared bucket for bucket.
@@ -452,9 +453,11 @@ class RequestMetrics:
         self.turns.inc((*by_class, t.kind, cache, turn.source))
         usage = record.usage
         if usage and record.status == 200:
-            prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
-            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-            cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            counted = turn.counted  # the session tracker's count, when it made one (pools/sessions.usage_counts)
+            if counted is not None:
+                prompt, cached = counted
+            else:
+                prompt, _, cached = usage_counts(usage)
             index = (*by_class, _turn_bucket(t.index))
             self.turn_prompt_tokens.inc(index, float(prompt))
             self.turn_cached_tokens.inc(index, float(cached))

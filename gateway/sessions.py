@@ -52,6 +52,7 @@ class SessionTurn:
 
     __slots__ = ("turn", "source", "register_key", "scanner", "tool_ids", "cache_path", "previous_span", "raw_ids",
                  "_trace_id")
+    counted = None  # (prompt, cached) tokens: the metrics parse the usage themselves for a session's turn
 
     def __init__(self, turn: Turn, source: str, register_key: int | None, scanner: SseToolCallScanner | None,
                  raw_ids: bool) -> None:
@@ -85,8 +86,8 @@ class OneShotTurn:
     (`end_first_turn`), and a later turn that brings one back opens the session with this turn in it. Reads like a
     SessionTurn whose `turn` is itself (index 1, no wait)."""
 
-    __slots__ = ("kind", "arrival", "register_key", "scanner", "tool_ids", "cache_path", "raw_ids", "session_id",
-                 "_trace_id")
+    __slots__ = ("kind", "arrival", "register_key", "scanner", "tool_ids", "cache_path", "counted", "raw_ids",
+                 "session_id", "_trace_id")
     index = 1
     wait_kind = ""
     wait_s = 0.0
@@ -103,6 +104,7 @@ class OneShotTurn:
         self.scanner = scanner
         self.tool_ids: tuple[str, ...] = ()
         self.cache_path = ""
+        self.counted: tuple[int, int] | None = None  # (prompt, cached) tokens of its answer, once it ended
         self.raw_ids = raw_ids
         self._trace_id: str | None = None
 
@@ -180,9 +182,10 @@ class SessionTracker:
         answered = record.status == 200 and record.error is None and not record.client_disconnected
         tool_ids = (turn.scanner.ids if turn.scanner is not None else turn.tool_ids) if answered else ()
         if type(turn) is OneShotTurn:
-            turn.cache_path = self.store.end_first_turn(
+            turn.cache_path, prompt, cached = self.store.end_first_turn(
                 turn.session_id, turn.kind, turn.arrival, last_byte, tool_ids, turn.register_key if answered else None,
                 record.usage if answered else None, record.traffic_class, span)
+            turn.counted = prompt, cached
             return
         session = turn.session
         if record.traffic_class:

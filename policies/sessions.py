@@ -85,6 +85,9 @@ class SessionIdentity:
     final: bool = False
 
 
+NOBODY = SessionIdentity()  # what `identify` returns for a request that names nothing; shared, never mutated
+
+
 def cap_id(value: str, max_chars: int = MAX_ID_CHARS) -> str:
     """`value`, or a stable 33-character stand-in when it is longer than `max_chars` (bounded memory per id; the
     same long id always maps to the same stand-in, on every gateway)."""
@@ -112,6 +115,8 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any], api: str,
              max_chars: int = MAX_ID_CHARS) -> SessionIdentity:
     """The session the request names (headers first, then body; see the module docstring). `headers` must be
     case-insensitive (Starlette's `Headers`) or hold lower-case names."""
+    if not headers and "session_id" not in body and "metadata" not in body and "user" not in body:
+        return NOBODY  # the common case, a request that says nothing: no object to build
     get = headers.get
     identity = SessionIdentity()
     for name in SESSION_HEADERS if headers else ():

@@ -5,7 +5,9 @@ A request finds its session first-match-wins (`SessionStore.resolve`): the id it
 a tool-call id m3gate returned in an earlier answer, else its history (the previous turn's whole history, hashed),
 else a new session with a generated id. Most unnamed first turns are one-shot requests that nothing continues, so
 such a session stays *unopened* (outside the LRU, not counted or shown, no end) until a later turn finds it by the
-keys its answer left; it then opens with its first turn in it. Then per request:
+keys its answer left; it then opens with its first turn in it. Without shared state the gateway keeps such a turn
+lighter still (`first_turn_id` / `end_first_turn`: an id and, once answered, a tuple under its keys; the Session is
+built only when a later turn continues it). Otherwise, per request:
 
     session, source = store.resolve(identity, tool_result_ids(body, api), lookup_key)
     turn = store.begin_turn(session, turn_kind(body, api))
@@ -344,9 +346,9 @@ class SessionStore:
 
     def end_first_turn(self, session_id: str, kind: str, arrival: float, last_byte: float, tool_call_ids: Iterable[str],
                        register_key: int | None, usage: Mapping[str, Any] | None, traffic_class: str,
-                       span: tuple[int, int] | None) -> str:
+                       span: tuple[int, int] | None) -> tuple[str, int, int]:
         """A light first turn's answer ended: remembered (unopened) when it left keys a later turn may bring back.
-        Returns its cache path, as `end_turn`."""
+        Returns its cache path (as `end_turn`) and its prompt and cached tokens (`usage_counts`)."""
         prompt, completion, cached = usage_counts(usage)
         cache = "" if prompt <= 0 else "warm" if cached >= self.warm_share * prompt else "cold"
         tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
@@ -359,7 +361,7 @@ class SessionStore:
                     put(key, session_id)
             if register_key is not None:
                 self._by_history.put(register_key, session_id)
-        return cache
+        return cache, prompt, cached
 
     def _first_turn_session(self, session_id: str, kept: tuple[Any, ...]) -> Session:
         """The unopened Session of a light first turn's remembered answer, with that turn in it."""

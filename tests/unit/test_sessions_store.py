@@ -353,7 +353,7 @@ def test_a_light_first_turn_is_remembered_without_a_session_and_opens_one_when_c
         ids.append(session_id)
         cache = store.end_first_turn(session_id, "first", arrival, clock.advance(0.5), (f"c{i}",), 100 + i,
                                      _usage(50, 40 if i == 9 else 0), "interactive", (7, 9) if i == 9 else None)
-        assert cache == ("warm" if i == 9 else "cold")
+        assert cache == ("warm", 50, 40) if i == 9 else ("cold", 50, 0)
     assert len(set(ids)) == 10 and len(store) == 0 and store.counters.resolved["none"] == 10
     assert store.counters.sessions == 0 and store.view(raw_ids=True)["open"] == []
     assert store.remembers(ids[9]) and store.continues(("c9",), None) and store.continues((), 108)
