@@ -142,6 +142,7 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         "TrafficControl.admit+finished": admit,
         "sessions begin+end, x-session-id": lambda: session_turn(named, body),
         "sessions begin+end, inferred (history)": lambda: session_turn(unnamed, history),
+        "sessions begin+end, one-shot (names and continues nothing)": lambda: session_turn(unnamed, body),
     }
 
 
