@@ -355,12 +355,7 @@ class SessionStore:
         if tool_keys or register_key is not None:
             self._unopened.put(session_id, (kind, arrival, last_byte, prompt, completion, cached, tool_keys,
                                             register_key, traffic_class, span))
-            if tool_keys:
-                put = self._by_tool.put
-                for key in tool_keys:
-                    put(key, session_id)
-            if register_key is not None:
-                self._by_history.put(register_key, session_id)
+            self._remember_keys(session_id, tool_keys, register_key)
         return cache, prompt, cached
 
     def _first_turn_session(self, session_id: str, kept: tuple[Any, ...]) -> Session:
@@ -496,16 +491,19 @@ class SessionStore:
                                 min(completion, _U32), min(cached, _U32), min(len(tool_keys), 0xFFFF))
             recent = session.recent + packed
             session.recent = recent if len(recent) <= self._recent_bytes else recent[-self._recent_bytes:]
-        session_id = session.id
+        self._remember_keys(session.id, tool_keys, register_key)
+        if session.end_reason == "":
+            self._touch(session)
+        return cache
+
+    def _remember_keys(self, session_id: str, tool_keys: tuple[int, ...], register_key: int | None) -> None:
+        """An answer's keys, for the turn that brings one back: its tool-call ids' hashes and its history key."""
         if tool_keys:
             put = self._by_tool.put
             for key in tool_keys:
                 put(key, session_id)
         if register_key is not None:
             self._by_history.put(register_key, session_id)
-        if session.end_reason == "":
-            self._touch(session)
-        return cache
 
     # -- ends ----------------------------------------------------------------------------------------------------
 
