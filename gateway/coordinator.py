@@ -376,11 +376,12 @@ class Coordinator:
                 record.t_first_byte = gw.clock()
                 guard.first_token()  # its prefill no longer waits ahead of the replica's next requests
                 plan = decision.prefill_plan if decision is not None else None
-                model = gw.latency.get(pool.name)
-                if plan is not None and model is not None and decision.replica == replica.url and first_chunk:
+                if plan is not None and first_chunk and decision.replica == replica.url:
                     # the engine cost behind the replica's step clock learns at once, not when the stream ends
-                    actual = record.t_first_byte - record.t_sent
-                    model.learn_cost(plan[1], actual - plan[0], actual)
+                    model = gw.latency.get(pool.name)
+                    if model is not None:
+                        actual = record.t_first_byte - record.t_sent
+                        model.learn_cost(plan[1], actual - plan[0], actual)
                 watch.stop()  # the StreamRelay watches for the disconnect from here on
                 return StreamRelay(
                     upstream, response_headers(upstream.headers, extra), guard, record,

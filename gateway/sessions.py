@@ -145,13 +145,14 @@ class SessionTracker:
         store = self.store
         now = self.wall() - (monotonic_now - record.t_arrival)  # its arrival, on the wall clock
         identity = identify(session_headers(raw_headers), body, api, self.config.max_id_chars)
+        # only an answer to a request that offered tools can ask for them: other streams are not scanned at all
+        scanner = SseToolCallScanner(api) if body.get("stream") is True and body.get("tools") else None
+        raw_ids = self.config.trace_ids == "raw"
         if identity.id is None:  # inferred: by the tool results it carries, else by its history
             kind, tool_ids, lookup_key, register_key = turn_facts_and_keys(body, api)
             if not (store.shared or identity.final or identity.parent_id or identity.agent_id
                     or store.continues(tool_ids, lookup_key)):
-                scan = body.get("stream") is True and bool(body.get("tools"))
-                record.session = OneShotTurn(store.first_turn_id(now), kind, now, register_key,
-                                             SseToolCallScanner(api) if scan else None, self.config.trace_ids == "raw")
+                record.session = OneShotTurn(store.first_turn_id(now), kind, now, register_key, scanner, raw_ids)
                 return None
         else:
             kind, tool_ids = turn_facts(body, api)
@@ -159,10 +160,7 @@ class SessionTracker:
         session, source = store.resolve(identity, tool_ids if identity.id is None else (), lookup_key, now)
         turn = store.begin_turn(session, kind, now)
         session.traffic_class = record.traffic_class or session.traffic_class
-        # only an answer to a request that offered tools can ask for them: other streams are not scanned at all
-        scan = body.get("stream") is True and bool(body.get("tools"))
-        record.session = SessionTurn(turn, source, register_key, SseToolCallScanner(api) if scan else None,
-                                     self.config.trace_ids == "raw")
+        record.session = SessionTurn(turn, source, register_key, scanner, raw_ids)
         return None if session.unopened else session.id
 
     def answered(self, record: RequestRecord, body: bytes) -> None:
