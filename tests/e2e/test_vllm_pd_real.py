@@ -34,9 +34,9 @@ TIMEOUT = httpx.Timeout(300.0, connect=10.0)  # decode steps take seconds each o
 def pd_pair() -> Iterator[PdPair]:
     if vllm_skipped():
         pytest.skip(f"{SKIP_ENV}=1")
-    # A 120 s lease instead of 30: on two cores shared with other servers a decode request can wait longer than 30 s
-    # before its first heartbeat, and the prefill side would free (but, idle, not reuse) the blocks meanwhile.
-    pair = start_pd_pair(2048, extra_config={"kv_lease_duration": 120})
+    # vLLM's default 30 s lease: the prefill server steps every millisecond while it holds blocks no decode server
+    # will pull (a failed handshake, the restarted-prefill test, which runs last for that reason).
+    pair = start_pd_pair(2048, extra_config={"kv_lease_duration": 30})
     try:
         _handshake(pair)
         yield pair
@@ -48,15 +48,23 @@ def _handshake(pair: PdPair, attempts: int = 5) -> None:
     """One request through the pair until the decode server's NIXL handshake with the prefill server succeeds. vLLM
     waits 5 s for the handshake's reply (a fixed zmq timeout in nixl/base_worker.py); the first one, UCX setting up,
     can take longer on a slow 2-core machine and fails that request with a 500. Once made, it is reused, so the tests'
-    own metric deltas start after it."""
+    own metric deltas start after it. An attempt that hangs is given up after 90 s (the decode server answers in
+    seconds once `start_pd_pair` has spread its threads; see `spread_affinity`)."""
     body = {"model": MODEL, "prompt": token_prompt(99, 300), "max_tokens": 2, "temperature": 0}
-    with httpx.Client(timeout=TIMEOUT) as c:
+    outcomes = []
+    with httpx.Client(timeout=httpx.Timeout(90.0, connect=10.0)) as c:
         for _ in range(attempts):
             prefilled = post(c, pair.prefill.url, prefill_body(body))
-            if c.post(pair.decode.url + "/v1/completions", json=decode_body(body, prefilled)).status_code == 200:
+            try:
+                status = c.post(pair.decode.url + "/v1/completions", json=decode_body(body, prefilled)).status_code
+            except httpx.TimeoutException:
+                status = "timeout"
+            if status == 200:
                 return
+            outcomes.append(status)
             time.sleep(2)
-    raise AssertionError(f"the decode server's NIXL handshake with the prefill server failed {attempts} times")
+    raise AssertionError(f"the decode server's NIXL handshake with the prefill server failed {attempts} times: "
+                         f"{outcomes}")
 
 
 @pytest.fixture(scope="module")
@@ -188,22 +196,6 @@ def test_streamed_chat_decode(pd_pair: PdPair, client: httpx.Client) -> None:
         usage["prompt_tokens"])
 
 
-def test_decode_for_a_restarted_prefill_server_fails(pd_pair: PdPair, client: httpx.Client) -> None:
-    """`remote_engine_id` no longer the prefill server's (it restarted): the handshake answers with another engine id
-    and, with kv_load_failure_policy `fail`, the request ends with finish_reason `error`: a bare 500."""
-    body = {"model": MODEL, "prompt": token_prompt(4, 300), "max_tokens": 2, "temperature": 0}
-    params = prefill(client, pd_pair, body)["kv_transfer_params"]
-    stale = {**params, "remote_engine_id": "00000000-0000-4000-8000-000000000000"}
-    before = metrics(client, pd_pair.decode.url)
-    resp = client.post(pd_pair.decode.url + "/v1/completions", json=decode_body(body, {"kv_transfer_params": stale}))
-    after = metrics(client, pd_pair.decode.url)
-    assert resp.status_code == 500
-    assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                                     "code": 500}}
-    assert delta(after, before, "vllm:nixl_num_failed_transfers_total") >= 1
-    assert delta(after, before, "vllm:request_success_total", finished_reason="error") == 1
-
-
 def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Client) -> None:
     """The whole product path: the OpenAI SDK → m3gate with a disaggregated pool over the real prefill and decode
     servers → one ordinary streamed answer, whose prompt the decode server pulled over NIXL."""
@@ -215,7 +207,7 @@ def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Clien
         "model": MODEL,
         "pools": [{"name": "extended", "max_model_len": 2048, "disaggregation": {
             "prefill": {"endpoints": [pd_pair.prefill.url]}, "decode": {"endpoints": [pd_pair.decode.url]},
-            "min_uncached_tokens": 256, "kv_lease_s": 120, "transfer_timeout_s": 240}}],
+            "min_uncached_tokens": 256, "kv_lease_s": 30, "transfer_timeout_s": 240}}],
         "server": {"health_interval_s": 1.0, "upstream_read_timeout_s": 300},
         "classification": {"output_budget": {"adaptive": 64, "enabled": 64, "disabled": 64}},
     }, timeout=180)  # the two vLLM servers beside it may hold the machine's two cores for a while
@@ -238,3 +230,19 @@ def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Clien
         assert decisions.get("disaggregated") == 1
     finally:
         gw.stop()
+
+
+def test_decode_for_a_restarted_prefill_server_fails(pd_pair: PdPair, client: httpx.Client) -> None:
+    """`remote_engine_id` no longer the prefill server's (it restarted): the handshake answers with another engine id
+    and, with kv_load_failure_policy `fail`, the request ends with finish_reason `error`: a bare 500."""
+    body = {"model": MODEL, "prompt": token_prompt(4, 300), "max_tokens": 2, "temperature": 0}
+    params = prefill(client, pd_pair, body)["kv_transfer_params"]
+    stale = {**params, "remote_engine_id": "00000000-0000-4000-8000-000000000000"}
+    before = metrics(client, pd_pair.decode.url)
+    resp = client.post(pd_pair.decode.url + "/v1/completions", json=decode_body(body, {"kv_transfer_params": stale}))
+    after = metrics(client, pd_pair.decode.url)
+    assert resp.status_code == 500
+    assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                                     "code": 500}}
+    assert delta(after, before, "vllm:nixl_num_failed_transfers_total") >= 1
+    assert delta(after, before, "vllm:request_success_total", finished_reason="error") == 1
