@@ -47,6 +47,11 @@ def session_headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     return found
 
 
+def _conversation_id(session_id: str, raw: bool) -> str:
+    """What spans show as gen_ai.conversation.id / session.id: the id itself with `trace_ids: raw`, else its hash."""
+    return session_id if raw else redacted(session_id)
+
+
 class SessionTurn:
     """One request's place in its session, carried on its RequestRecord."""
 
@@ -75,8 +80,7 @@ class SessionTurn:
         """What spans show as gen_ai.conversation.id / session.id: hashed only when a span asks (most requests
         are not sampled)."""
         if self._trace_id is None:
-            session_id = self.turn.session.id
-            self._trace_id = session_id if self.raw_ids else redacted(session_id)
+            self._trace_id = _conversation_id(self.turn.session.id, self.raw_ids)
         return self._trace_id
 
 
@@ -115,7 +119,7 @@ class OneShotTurn:
     @property
     def trace_id(self) -> str:
         if self._trace_id is None:
-            self._trace_id = self.session_id if self.raw_ids else redacted(self.session_id)
+            self._trace_id = _conversation_id(self.session_id, self.raw_ids)
         return self._trace_id
 
 

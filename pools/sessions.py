@@ -300,23 +300,10 @@ class SessionStore:
                 else identity.id  # a sub-agent is a child of the session it works for
             session = self._session(key, source, now, parent, identity.agent_id)
         else:
-            session_id = None
-            source = "none"
-            if tool_ids:
-                by_tool = self._by_tool
-                for call_id in tool_ids:
-                    session_id = by_tool.get(tool_key(call_id))
-                    if session_id is not None:
-                        source = "tool_call"
-                        break
-            if session_id is None and lookup_key is not None:
-                session_id = self._by_history.get(lookup_key)
-                if session_id is not None:
-                    source = "history"
+            session_id, source = self._continued(tool_ids, lookup_key)
             if session_id is None:  # an unnamed first turn: most such requests are one-shots, never continued
-                self._next_id += 1
-                session = Session(f"{self._id_prefix}{self._next_id:x}", source, now, identity.parent_id,
-                                  identity.agent_id, last_seen=now, unopened=True)
+                session = Session(self._new_id(), source, now, identity.parent_id, identity.agent_id, last_seen=now,
+                                  unopened=True)
             else:
                 session = self._session(session_id, source, now, identity.parent_id, identity.agent_id)
         if identity.final:
@@ -331,18 +318,35 @@ class SessionStore:
 
     def continues(self, tool_ids: Sequence[str], lookup_key: int | None) -> bool:
         """Whether a remembered answer continues a request carrying these tool results / this history key."""
-        by_tool = self._by_tool
-        for call_id in tool_ids:
-            if by_tool.get(tool_key(call_id)) is not None:
-                return True
-        return lookup_key is not None and self._by_history.get(lookup_key) is not None
+        return self._continued(tool_ids, lookup_key)[0] is not None
 
     def first_turn_id(self, now: float) -> str:
         """A new session id for an unnamed first turn that continues nothing (`resolve`'s "none" case, light)."""
         self._expire(now)
         self.counters.resolved["none"] += 1
+        return self._new_id()
+
+    def _continued(self, tool_ids: Sequence[str], lookup_key: int | None) -> tuple[str | None, str]:
+        """The session whose remembered answer an unnamed request continues, and how it was found: by a tool-call id
+        it returned, else by the history key; (None, "none") when nothing continues."""
+        by_tool = self._by_tool
+        for call_id in tool_ids:
+            session_id = by_tool.get(tool_key(call_id))
+            if session_id is not None:
+                return session_id, "tool_call"
+        if lookup_key is not None:
+            session_id = self._by_history.get(lookup_key)
+            if session_id is not None:
+                return session_id, "history"
+        return None, "none"
+
+    def _new_id(self) -> str:
         self._next_id += 1
         return f"{self._id_prefix}{self._next_id:x}"
+
+    def cache_path(self, prompt: int, cached: int) -> str:
+        """`warm` when vLLM's cached share of the prompt reaches `warm_share`, else `cold`; "" without a prompt count."""
+        return "" if prompt <= 0 else "warm" if cached >= self.warm_share * prompt else "cold"
 
     def end_first_turn(self, session_id: str, kind: str, arrival: float, last_byte: float, tool_call_ids: Iterable[str],
                        register_key: int | None, usage: Mapping[str, Any] | None, traffic_class: str,
@@ -350,7 +354,7 @@ class SessionStore:
         """A light first turn's answer ended: remembered (unopened) when it left keys a later turn may bring back.
         Returns its cache path (as `end_turn`) and its prompt and cached tokens (`usage_counts`)."""
         prompt, completion, cached = usage_counts(usage)
-        cache = "" if prompt <= 0 else "warm" if cached >= self.warm_share * prompt else "cold"
+        cache = self.cache_path(prompt, cached)
         tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
         if tool_keys or register_key is not None:
             self._unopened.put(session_id, (kind, arrival, last_byte, prompt, completion, cached, tool_keys,
@@ -468,14 +472,11 @@ class SessionStore:
         session.prompt_tokens += prompt
         session.completion_tokens += completion
         session.cached_tokens += cached
-        cache = ""
-        if prompt > 0:
-            if cached >= self.warm_share * prompt:
-                cache = "warm"
-                session.warm_turns += 1
-            else:
-                cache = "cold"
-                session.cold_turns += 1
+        cache = self.cache_path(prompt, cached)
+        if cache == "warm":
+            session.warm_turns += 1
+        elif cache == "cold":
+            session.cold_turns += 1
         if last_byte >= session.answer_end:
             session.answer_end = last_byte
             session.answer_turn = index
