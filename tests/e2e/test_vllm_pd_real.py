@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.vllm_pd, pytest.mark.timeout(900)]
 MODEL = "MiniMaxAI/MiniMax-M3"
 BLOCK_SIZE = 128
 VOCAB = "agent tool result file patch test repository function error trace build log diff commit".split()
-TIMEOUT = httpx.Timeout(300.0, connect=10.0)  # decode steps take seconds each on two shared cores
+TIMEOUT = httpx.Timeout(300.0, connect=10.0)  # a ceiling: answers take seconds (tens while the pair warms up)
 
 
 @pytest.fixture(scope="module")
