@@ -108,6 +108,62 @@ class PrefillCost:
         return {"step_s": round(self.a, 5), "s_per_1k_tokens": round(self.c, 5), "samples": self.samples}
 
 
+class DecodeCost:
+    """One pool's decode step time, `d0 + d1 · batch + d2 · batch · context/1K` seconds (a fixed step cost, a cost per
+    sequence in the batch, a cost per 1,000 tokens of KV each sequence reads), learnt from the streams' inter-token
+    gaps the way `PrefillCost` learns the prefill step: recursive least squares on the relative error with
+    forgetting factor `forget`. A stream's mean gap is one sample of the step time at the batch its replica ran
+    (vLLM's num_requests_running, else the gateway's own in-flight count) and its mean context. Starts at 20 ms a
+    step (the replicas' TPOT default) growing 0.2 ms per sequence and 0.02 ms per sequence per 1K context, with a
+    wide uncertainty so the first streams set it; the uncertainty is bounded (`P_MAX`) so that a long spell at one
+    batch size cannot wind it up into a jump when the batch changes."""
+
+    __slots__ = ("coef", "_p", "forget", "samples")
+    P_MAX = 100.0
+
+    def __init__(self, d0: float = 0.02, d1: float = 2e-4, d2: float = 2e-5, forget: float = 0.995) -> None:
+        self.coef = [d0, d1, d2]
+        self._p = [[1.0 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.forget = forget
+        self.samples = 0
+
+    def seconds(self, batch: float, context: float) -> float:
+        """One decode step with `batch` sequences of `context` tokens each on average: the time per output token."""
+        d0, d1, d2 = self.coef
+        return d0 + batch * (d1 + d2 * context * 1e-3)
+
+    def per_sequence(self, context: float) -> float:
+        """What one more sequence of `context` tokens adds to a step."""
+        return self.coef[1] + self.coef[2] * context * 1e-3
+
+    def learn(self, batch: float, context: float, step_s: float) -> None:
+        """A stream's mean inter-token gap `step_s`, at `batch` sequences of mean `context` tokens."""
+        if not (step_s > 0.0 and batch > 0.0 and context >= 0.0 and math.isfinite(step_s)):
+            return
+        w = 1.0 / step_s
+        x = (w, batch * w, batch * context * 1e-3 * w)
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
+        denom = self.forget + sum(x[i] * px[i] for i in range(3))
+        k = [v / denom for v in px]
+        err = 1.0 - sum(self.coef[i] * x[i] for i in range(3))  # y = step_s · w = 1
+        coef = [self.coef[i] + k[i] * err for i in range(3)]
+        if coef[0] > 0.0 and coef[1] >= 0.0 and coef[2] >= 0.0:  # a free or negative engine is noise, not news
+            self.coef = coef
+        f = self.forget
+        fresh = [[(p[i][j] - k[i] * px[j]) / f for j in range(3)] for i in range(3)]
+        trace = fresh[0][0] + fresh[1][1] + fresh[2][2]
+        if trace > self.P_MAX:
+            fresh = [[v * self.P_MAX / trace for v in row] for row in fresh]
+        self._p = fresh
+        self.samples += 1
+
+    def view(self) -> dict[str, float]:
+        d0, d1, d2 = self.coef
+        return {"step_s": round(d0, 6), "s_per_sequence": round(d1, 7), "s_per_sequence_1k_context": round(d2, 7),
+                "samples": self.samples}
+
+
 def prefill_plan(cost: PrefillCost, starts_in: float, ends_in: float, step_tokens: int, uncached: int,
                  queued: int) -> tuple[float, int, float]:
     """Where a request sent now lands in the replica's virtual step clock: (wait before its step starts, tokens in its
