@@ -6,10 +6,16 @@ Inputs, per pool and traffic class, over the last `capacity.window_s`:
   those admitted or waiting in the gateway (GET /admin/traffic's in_flight + queued), so an overload whose requests
   have not finished yet is counted when it arrives rather than when it ends;
 - the token mix from the answers' usage: prompt tokens, the cached share (prefix hits), output tokens;
-- the requests waiting in the gateway's queue now (the backlog the replicas have not seen).
+- the requests waiting in the gateway's queue now (the backlog the replicas have not seen), and the uncached prompt
+  tokens sent to the replicas that have not reached their first token (`Replica.prefill_tokens`: a pile-up seen
+  before any of its answers).
 Engine costs: the pool's prefill step cost learnt for the TTFT predictions (`Gateway.latency[pool].cost`), the
 decode step cost learnt here from each stream's inter-token gaps (`DecodeCost`, against its replica's batch: vLLM's
 num_requests_running at the last scrape, else the gateway's in-flight count), and the replicas' KV blocks.
+
+Each gateway sizes for the requests it sees itself; behind a load balancer the pool's count is the sum over the
+gateways (deploy/k8s/autoscaling-*). A fresh gateway publishes nothing for its first `window_s` (it has seen too
+little to ask for fewer replicas than run); from then on the `Stabilizer` rules apply.
 
 `observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
 everything else runs on the timer.
@@ -45,6 +51,7 @@ class CapacitySignal:
         # closed intervals: (end, sums, requests in the gateway at the end); `_start` the span's beginning
         self._closed: deque[tuple[float, dict[tuple[str, str], list[float]], dict[tuple[str, str], float]]] = deque()
         self._start: tuple[float, dict[tuple[str, str], float]] = (start, {})
+        self._created = start
         self._mix: dict[tuple[str, str], tuple[float, float, float]] = {}  # last known (prompt, cached, output) means
         self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
         self._stable: dict[tuple[str, str], Stabilizer] = {}
@@ -127,6 +134,9 @@ class CapacitySignal:
                 for i, v in enumerate(values):
                     total[i] += v
         held_before = self._start[1]
+        # the first window measures: a fresh gateway (a restart, one more gateway) has seen too little to ask for
+        # fewer replicas than run, so it publishes nothing until then
+        measuring = now - self._created < cfg.window_s
         live = set(gw.pools)
         for key in [k for k in self._stable if k[0] not in live]:
             del self._stable[key]
@@ -148,17 +158,25 @@ class CapacitySignal:
             for role in roles:
                 costs = self._costs(name, pool, role)
                 current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
-                measured = size(role, demand, costs)
-                needed = size(role, led, costs) if led is not demand else measured
+                backlog = float(sum(r.prefill_tokens for r in (pool.of_role(role) if pool.disaggregated
+                                                                 else pool.replicas.values())))
+                measured = size(role, demand, costs, prefill_backlog=backlog)
+                needed = size(role, led, costs, prefill_backlog=backlog) if led is not demand else measured
                 stable = self._stable.get((name, role))
-                if stable is None:  # starts at what runs now: a fresh gateway never asks for less at once
-                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current, now)
+                if stable is None and measuring:
+                    self.entries[(name, role)] = _entry(
+                        name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
+                        predict(role, led, costs, current, prefill_backlog=backlog), None)
+                    continue
+                if stable is None:
+                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s)
                 stable.window_s = cfg.scale_down_stabilization_s
                 desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas,
                                         bounds.max_replicas)
                 self.entries[(name, role)] = _entry(
                     name, role, current, desired, needed, measured, factor, demand, costs, now - stable.changed_at,
-                    predict(role, led, costs, current), predict(role, led, costs, desired))
+                    backlog, predict(role, led, costs, current, prefill_backlog=backlog),
+                    predict(role, led, costs, desired, prefill_backlog=backlog))
 
     def _demand(self, pool: str, finished: dict[tuple[str, str], list[float]],
                 in_gateway: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
@@ -199,8 +217,8 @@ class CapacitySignal:
 
     # what is read ------------------------------------------------------------------------------------------------
     def desired(self) -> dict[tuple[str, str], int]:
-        """(pool, role) → the replicas asked for (m3gate_pool_desired_replicas)."""
-        return {key: entry["desired"] for key, entry in self.entries.items()}
+        """(pool, role) → the replicas asked for (m3gate_pool_desired_replicas); none during the first window."""
+        return {key: entry["desired"] for key, entry in self.entries.items() if entry["desired"] is not None}
 
     def view(self) -> dict[str, Any]:
         """GET /admin/capacity: per pool and role, the counts, the bottleneck, the predictions and the demand."""
@@ -242,17 +260,19 @@ def _prediction(p: Prediction) -> dict[str, Any]:
             "meets_targets": p.ok()}
 
 
-def _entry(pool: str, role: str, current: int, desired: int, needed: Sizing, measured: Sizing, factor: float,
-           demand: list[ClassDemand], costs: EngineCosts, since_change_s: float, at_current: Prediction,
-           at_desired: Prediction) -> dict[str, Any]:
+def _entry(pool: str, role: str, current: int, desired: int | None, needed: Sizing, measured: Sizing,
+           factor: float, demand: list[ClassDemand], costs: EngineCosts, since_change_s: float | None,
+           backlog: float, at_current: Prediction, at_desired: Prediction | None) -> dict[str, Any]:
     return {
         "pool": pool, "role": role, "current": current, "desired": desired,
         "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead included)
         "needed_now": measured.replicas,  # for the demand measured now
         "bottleneck": needed.bottleneck,
-        "since_change_s": round(since_change_s, 1),
+        "since_change_s": None if since_change_s is None else round(since_change_s, 1),  # None: still measuring
         "lead_factor": round(factor, 3),
-        "predicted": {"current": _prediction(at_current), "desired": _prediction(at_desired)},
+        "prefill_backlog_tokens": backlog,  # uncached tokens sent to the replicas, not yet at their first token
+        "predicted": {"current": _prediction(at_current),
+                      "desired": None if at_desired is None else _prediction(at_desired)},
         "demand": {d.name: {"rate_per_s": round(d.rate, 4), "prompt_tokens": round(d.prompt_tokens, 1),
                             "uncached_tokens": round(d.uncached_tokens, 1), "output_tokens": round(d.output_tokens, 1),
                             "queued": d.queued, "ttft_p95_target_s": d.ttft_p95_s, "tpot_p95_target_s": d.tpot_p95_s}

@@ -18,7 +18,8 @@ The model, per replica at N replicas (arrivals split evenly, as the replica poli
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
   shared (conservative: shared prefixes hold one copy).
 - The gateway's queue. Requests already waiting there are work that has arrived: they are added to the demand as a
-  rate that clears them within `backlog_clear_s`.
+  rate that clears them within `backlog_clear_s`; so are the uncached tokens sent to the replicas and not yet
+  prefilled (`prefill_backlog`), which show a pile-up before any of its answers has come back.
 
 `size` returns the smallest N that meets every target and the bottleneck that set it: `prefill_compute` (TTFT),
 `decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, or `gateway_queue`
@@ -105,13 +106,16 @@ class Sizing:
 class SizingParams:
     kv_limit: float = 0.9  # share of a replica's KV the contexts may fill before preemption looms
     max_utilisation: float = 0.9  # for classes without a target: keep the replica below this load
-    backlog_clear_s: float = 30.0  # the gateway's queue counts as demand clearing within this
+    backlog_clear_s: float = 10.0  # queued work (the gateway's queue, prefills not started) is demand clearing in this
     max_replicas: int = 4096  # the search's ceiling (a demand no count meets gets this)
 
 
 def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replicas: int,
-            params: SizingParams = SizingParams(), backlog: bool = True) -> Prediction:
-    """Predicted p95s, utilisation and KV use of `replicas` replicas of `role` at `demand`."""
+            params: SizingParams = SizingParams(), backlog: bool = True, prefill_backlog: float = 0.0) -> Prediction:
+    """Predicted p95s, utilisation and KV use of `replicas` replicas of `role` at `demand`. `prefill_backlog`:
+    uncached prompt tokens already sent to the replicas and not yet prefilled (a pile-up the arrival rate does not
+    show yet, e.g. a burst of a kind of prompt none of whose answers has come back), spread over
+    `backlog_clear_s` like the gateway's queue."""
     n = max(replicas, 0)
     rates = [d.rate + (d.queued / params.backlog_clear_s if backlog else 0.0) for d in demand]
     total = sum(rates)
@@ -153,9 +157,11 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
         slow = 1.0 - rho_d
         services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else inf for d in demand]
         prefill_util = sum(p * s for p, s in zip(per, services))
+        if prefill_backlog > 0.0 and slow > 0.0:
+            prefill_util += prefill_backlog * c / slow / (n * params.backlog_clear_s)
         if prefill_util >= 1.0:
             wait95 = inf
-        elif lam > 0.0:
+        elif lam > 0.0 and prefill_util > 0.0:
             second = sum(p * s * s for p, s in zip(per, services)) / lam
             mean_wait = lam * second / (2.0 * (1.0 - prefill_util))
             if prefill_util > _TAIL and mean_wait > 0.0:
@@ -203,25 +209,27 @@ def _smallest(ok: Callable[[int], bool], ceiling: int) -> int:
     return hi
 
 
-def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts,
-         params: SizingParams = SizingParams()) -> Sizing:
-    """The smallest replica count of `role` at which every class meets its targets at `demand`, and why that many."""
+def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, params: SizingParams = SizingParams(),
+         prefill_backlog: float = 0.0) -> Sizing:
+    """The smallest replica count of `role` at which every class meets its targets at `demand`, and why that many
+    (`prefill_backlog` as in `predict`)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
-    if not any(d.rate > 0 or d.queued > 0 for d in demand):
+    if prefill_backlog <= 0.0 and not any(d.rate > 0 or d.queued > 0 for d in demand):
         return Sizing(0, None, predict(role, demand, costs, 0, params))
     ceiling = params.max_replicas
     needs = {}
     for name in _CONSTRAINTS[role]:
-        needs[name] = _smallest(lambda n, k=name: predict(role, demand, costs, n, params, False).meets[k], ceiling)
-    without_backlog = max(needs.values())
-    n = _smallest(lambda k: predict(role, demand, costs, k, params).ok(), ceiling)
-    n = max(n, without_backlog)
-    if n > without_backlog:
+        needs[name] = _smallest(
+            lambda n, k=name: predict(role, demand, costs, n, params, False, prefill_backlog).meets[k], ceiling)
+    without_queue = max(needs.values())
+    n = _smallest(lambda k: predict(role, demand, costs, k, params, True, prefill_backlog).ok(), ceiling)
+    n = max(n, without_queue)
+    if n > without_queue:
         bottleneck = "gateway_queue"
     else:
         bottleneck = max(needs, key=lambda k: needs[k])  # first of the order on ties
-    return Sizing(n, bottleneck, predict(role, demand, costs, n, params))
+    return Sizing(n, bottleneck, predict(role, demand, costs, n, params, True, prefill_backlog))
 
 
 def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0) -> float:

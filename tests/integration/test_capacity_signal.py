@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -34,7 +35,7 @@ def gateway(sim: SimProcess) -> Iterator[GatewayProcess]:
     gw = start_gateway({
         "model": MODEL,
         "pools": [{"name": "chat", "max_model_len": 32768, "endpoints": [sim.url],
-                   "capacity": {"min_replicas": 1, "max_replicas": 16}}],
+                   "capacity": {"min_replicas": 1, "max_replicas": 64}}],
         "server": {"health_interval_s": 0.5},
         "traffic": {"classes": {"interactive": {"targets": {"ttft_ms": {"p95": 1500}, "tpot_ms": {"p95": 200}}}},
                     "pool_classes": {"chat": "interactive"}},
@@ -48,11 +49,13 @@ def gateway(sim: SimProcess) -> Iterator[GatewayProcess]:
 
 
 def _chat(gw: GatewayProcess, prompt_chars: int, client: httpx.Client) -> None:
+    text = f"{uuid.uuid4().hex} " + "lorem ipsum " * (prompt_chars // 12 + 1)  # unique: nothing cached
     body = {"model": MODEL, "stream": True, "max_tokens": 8,
-            "messages": [{"role": "user", "content": ("lorem ipsum " * (prompt_chars // 12 + 1))[:prompt_chars]}]}
+            "messages": [{"role": "user", "content": text[:prompt_chars]}]}
     with client.stream("POST", gw.base_url + "/chat/completions", json=body, timeout=60) as r:
         r.read()
-        assert r.status_code == 200
+        # an overloaded pool may refuse some (503 from the saturated queue): demand all the same
+        assert r.status_code in (200, 503), r.status_code
 
 
 class _Load:
@@ -130,10 +133,10 @@ def test_the_signal_rises_under_overload_holds_while_steady_and_falls_back_after
         # steady light load: one short request at a time; one replica is plenty and the signal does not move
         light = _Load(gateway, workers=1, prompt_chars=400, pause_s=0.1)
         try:
-            time.sleep(6.0)
+            time.sleep(8.0)
         finally:
             light.end()
-        calm = [v for _, v in watch.samples]
+        calm = [v for _, v in watch.samples if v is not None]  # none during the first window (measuring)
         # overload: 24 long prompts at once queue for prefill; the TTFT target is at risk → up at once
         heavy = _Load(gateway, workers=24, prompt_chars=8000)
         rose_at = time.monotonic()
@@ -154,7 +157,7 @@ def test_the_signal_rises_under_overload_holds_while_steady_and_falls_back_after
         time.sleep(0.5)
     finally:
         watch.end()
-    assert calm and set(calm) == {1.0}, calm
+    assert len(calm) >= 8 and set(calm) == {1.0}, calm
     assert rise_s < 10, watch.changes()
     assert entry["bottleneck"] in ("prefill_compute", "gateway_queue"), entry
     assert entry["desired"] > 1 and entry["predicted"]["current"]["meets_targets"] is False

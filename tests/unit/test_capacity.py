@@ -191,3 +191,11 @@ def test_decode_cost_ignores_nonsense_and_survives_a_long_constant_batch() -> No
 
 def _fields(costs: EngineCosts) -> dict[str, float | int | None]:
     return {name: getattr(costs, name) for name in EngineCosts.__slots__}
+
+
+def test_a_prefill_pile_up_at_the_replicas_asks_for_more_before_any_answer_shows_it() -> None:
+    demand = [chat(2.0, output_tokens=10.0)]
+    calm = size("both", demand, COSTS)
+    piled = size("both", demand, COSTS, prefill_backlog=24 * 8000)  # 24 long prompts sent, none prefilled yet
+    assert piled.replicas > calm.replicas and piled.bottleneck == "prefill_compute"
+    assert size("both", demand, COSTS, prefill_backlog=2000).replicas == calm.replicas  # a normal in-flight share

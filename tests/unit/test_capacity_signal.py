@@ -66,9 +66,9 @@ def test_finished_requests_become_the_demand_and_the_signal_is_the_models_answer
     assert (demand["prompt_tokens"], demand["uncached_tokens"], demand["output_tokens"]) == (4000, 1500, 400)
     assert demand["ttft_p95_target_s"] == 1.0 and demand["tpot_p95_target_s"] == 0.05
     assert entry["current"] == 2
-    # the producer's answer is the pure model's for the demand it measured (rising at once above the current 2)
+    # the producer's answer is the pure model's for the demand it measured
     model = size("both", [_demand_of(entry)], _costs_of(entry))
-    assert entry["needed_now"] == model.replicas and entry["desired"] == max(2, model.replicas)
+    assert entry["needed_now"] == model.replicas and entry["desired"] == max(1, model.replicas)
     assert entry["bottleneck"] in ("prefill_compute", "decode_compute", "kv_memory")
     # twice the demand, twice (about) the replicas, at once
     _feed(app, t0, rate=24, seconds=12, start=12)
@@ -79,7 +79,12 @@ def test_finished_requests_become_the_demand_and_the_signal_is_the_models_answer
 def test_the_gauge_sits_beside_the_pools_replica_count_with_one_series_per_role() -> None:
     app = build_app(GatewayConfig.model_validate(CONFIG))
     gw = app.state.gateway
-    _feed(app, gw.clock(), rate=4, seconds=3)
+    t0 = gw.clock()
+    _feed(app, t0, rate=4, seconds=3)
+    # the first window only measures: nothing is published yet (a fresh gateway has seen too little)
+    assert not any(name == "m3gate_pool_desired_replicas" for name, _ in _metrics(app))
+    assert gw.capacity.entries[("chat", "both")]["desired"] is None
+    _feed(app, t0, rate=4, seconds=9, start=3)
     metrics = _metrics(app)
     desired = {labels: v for (name, labels), v in metrics.items() if name == "m3gate_pool_desired_replicas"}
     assert set(desired) == {(("pool", "chat"), ("role", "both")), (("pool", "long"), ("role", "prefill")),
@@ -95,7 +100,7 @@ def test_the_gauge_sits_beside_the_pools_replica_count_with_one_series_per_role(
 async def test_admin_capacity_explains_each_pool_role() -> None:
     app = build_app(GatewayConfig.model_validate(CONFIG))
     gw = app.state.gateway
-    _feed(app, gw.clock(), rate=4, seconds=3)
+    _feed(app, gw.clock(), rate=4, seconds=12)
     transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 4000))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         body = (await client.get("/admin/capacity")).json()
