@@ -123,7 +123,7 @@ class DecodeCost:
 
     def __init__(self, d0: float = 0.02, d1: float = 2e-4, d2: float = 2e-5, forget: float = 0.995) -> None:
         self.coef = [d0, d1, d2]
-        self._p = [[1.0 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self._p = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # the 3×3 inverse-information matrix, row-major
         self.forget = forget
         self.samples = 0
 
@@ -137,24 +137,32 @@ class DecodeCost:
         return self.coef[1] + self.coef[2] * context * 1e-3
 
     def learn(self, batch: float, context: float, step_s: float) -> None:
-        """A stream's mean inter-token gap `step_s`, at `batch` sequences of mean `context` tokens."""
+        """A stream's mean inter-token gap `step_s`, at `batch` sequences of mean `context` tokens (unrolled: this
+        runs once per finished stream)."""
         if not (step_s > 0.0 and batch > 0.0 and context >= 0.0 and math.isfinite(step_s)):
             return
         w = 1.0 / step_s
-        x = (w, batch * w, batch * context * 1e-3 * w)
-        p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denom = self.forget + sum(x[i] * px[i] for i in range(3))
-        k = [v / denom for v in px]
-        err = 1.0 - sum(self.coef[i] * x[i] for i in range(3))  # y = step_s · w = 1
-        coef = [self.coef[i] + k[i] * err for i in range(3)]
-        if coef[0] > 0.0 and coef[1] >= 0.0 and coef[2] >= 0.0:  # a free or negative engine is noise, not news
-            self.coef = coef
-        f = self.forget
-        fresh = [[(p[i][j] - k[i] * px[j]) / f for j in range(3)] for i in range(3)]
-        trace = fresh[0][0] + fresh[1][1] + fresh[2][2]
+        x0, x1 = w, batch * w
+        x2 = x1 * context * 1e-3
+        p00, p01, p02, p10, p11, p12, p20, p21, p22 = self._p
+        q0 = p00 * x0 + p01 * x1 + p02 * x2
+        q1 = p10 * x0 + p11 * x1 + p12 * x2
+        q2 = p20 * x0 + p21 * x1 + p22 * x2
+        denom = self.forget + x0 * q0 + x1 * q1 + x2 * q2
+        k0, k1, k2 = q0 / denom, q1 / denom, q2 / denom
+        d0, d1, d2 = self.coef
+        err = 1.0 - (d0 * x0 + d1 * x1 + d2 * x2)  # y = step_s · w = 1
+        d0, d1, d2 = d0 + k0 * err, d1 + k1 * err, d2 + k2 * err
+        if d0 > 0.0 and d1 >= 0.0 and d2 >= 0.0:  # a free or negative engine is noise, not news
+            self.coef = [d0, d1, d2]
+        f = 1.0 / self.forget
+        fresh = [(p00 - k0 * q0) * f, (p01 - k0 * q1) * f, (p02 - k0 * q2) * f,
+                 (p10 - k1 * q0) * f, (p11 - k1 * q1) * f, (p12 - k1 * q2) * f,
+                 (p20 - k2 * q0) * f, (p21 - k2 * q1) * f, (p22 - k2 * q2) * f]
+        trace = fresh[0] + fresh[4] + fresh[8]
         if trace > self.P_MAX:
-            fresh = [[v * self.P_MAX / trace for v in row] for row in fresh]
+            scale = self.P_MAX / trace
+            fresh = [v * scale for v in fresh]
         self._p = fresh
         self.samples += 1
 
