@@ -1,4 +1,4 @@
-"""`m3gate plan pools.yaml --workload FILE`: the replicas each pool (and each side of a disaggregated one) needs for
+"""`m3gate plan pools.yaml --workload FILE | --prometheus URL --window 1h`: the replicas each pool (and each side of a disaggregated one) needs for
 the contract's targets at a recorded demand, with the predicted percentiles, from policies/capacity.py's model.
 
 The workload is a loadtests trace (loadtests/workload.py): JSONL in m3gate's format (`timestamp`, `prompt_tokens`,
@@ -8,7 +8,11 @@ whose `trace.path` names one. Each request goes to the smallest pool that holds 
 without spill); its class is the trace's `class` where the config defines it, else its pool's. A prefix is taken as
 cached from its second use on (prefix-affinity routing keeps it on the replica that has it).
 
-The demand is sized twice: at the trace's mean rate and at its busiest `window_s` (the count a fixed pool would
+With `--prometheus`, the demand is what a Prometheus that scrapes the gateways measured over the window, per pool and
+class (pools/prometheus.py `observe_demand`): the arrival rate (mean, and the busiest minute), the mean prompt,
+cached and output tokens.
+
+The demand is sized twice: at the mean rate and at the busiest `window_s` (the count a fixed pool would
 need; an autoscaled pool moves between the two). Engine costs are the model's defaults unless given (GET
 /admin/capacity shows the ones a running gateway has learnt).
 """
@@ -112,9 +116,20 @@ class _Mix:
     times: list[float] = field(default_factory=list)
 
 
-def plan(config: GatewayConfig, requests: list[TraceRequest], costs: EngineCosts | None = None,
-         window_s: float = 60.0) -> dict[str, Any]:
-    """Per pool and role: the replicas at the mean and at the peak demand, the bottleneck, the predictions."""
+@dataclass(frozen=True, slots=True)
+class ClassLoad:
+    """One class's demand on one pool: mean prompt / cached / output tokens, mean and peak arrival rate."""
+
+    prompt: float
+    cached: float
+    output: float
+    rate_mean: float
+    rate_peak: float
+
+
+def trace_loads(config: GatewayConfig, requests: list[TraceRequest],
+                window_s: float = 60.0) -> tuple[dict[str, dict[str, ClassLoad]], dict[str, Any]]:
+    """pool → class → its load in a trace (the peak: the pool's busiest `window_s`), and what the trace was."""
     by_size = config.pools_by_size()
     mixes: dict[str, dict[str, _Mix]] = defaultdict(dict)
     unplaced = 0
@@ -132,15 +147,29 @@ def plan(config: GatewayConfig, requests: list[TraceRequest], costs: EngineCosts
         mix.times.append(r.at)
     duration = max(1.0, max((r.at for r in requests), default=0.0))
     window = min(window_s, duration)
+    loads: dict[str, dict[str, ClassLoad]] = {}
+    for name, classes in mixes.items():
+        peak_start = _busiest(sorted(t for m in classes.values() for t in m.times), window)
+        loads[name] = {}
+        for cls, m in classes.items():
+            mean = m.count / duration
+            in_peak = sum(peak_start <= t <= peak_start + window for t in m.times) / window
+            loads[name][cls] = ClassLoad(m.prompt / m.count, m.cached / m.count, m.output / m.count, mean,
+                                         max(mean, in_peak))  # never below the mean (a trace shorter than the window)
+    source = {"requests": len(requests), "unplaced": unplaced, "duration_s": round(duration, 3),
+              "peak_window_s": window}
+    return loads, source
+
+
+def plan(config: GatewayConfig, loads: dict[str, dict[str, ClassLoad]], costs: EngineCosts | None = None,
+         source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per pool and role: the replicas at the mean and at the peak demand, the bottleneck, the predictions."""
     base = costs or EngineCosts()
     pools: dict[str, Any] = {}
-    for pool in by_size:
-        classes = mixes.get(pool.name, {})
-        peak_start = _busiest(sorted(t for m in classes.values() for t in m.times), window)
-        mean = [_demand(config, name, m, m.count / duration) for name, m in sorted(classes.items())]
-        peak = [_demand(config, name, m, max(d.rate, sum(peak_start <= t <= peak_start + window for t in m.times)
-                                             / window))  # never below the mean (a trace shorter than the window)
-                for (name, m), d in zip(sorted(classes.items()), mean)]
+    for pool in config.pools_by_size():
+        classes = sorted(loads.get(pool.name, {}).items())
+        mean = [_demand(config, name, load, load.rate_mean) for name, load in classes]
+        peak = [_demand(config, name, load, load.rate_peak) for name, load in classes]
         kv = pool.kv_blocks * pool.block_size if pool.kv_blocks else None
         pool_costs = EngineCosts(base.prefill_step_s, base.prefill_s_per_1k, base.decode_step_s,
                                  base.decode_s_per_seq, base.decode_s_per_seq_1k, kv)
@@ -164,8 +193,7 @@ def plan(config: GatewayConfig, requests: list[TraceRequest], costs: EngineCosts
                                     "ttft_p95_target_s": d.ttft_p95_s, "tpot_p95_target_s": d.tpot_p95_s}
                            for d, p in zip(mean, peak)},
             }
-    return {"requests": len(requests), "unplaced": unplaced, "duration_s": round(duration, 3),
-            "peak_window_s": window, "costs": {k: getattr(base, k) for k in EngineCosts.__slots__ if k != "kv_tokens"},
+    return {**(source or {}), "costs": {k: getattr(base, k) for k in EngineCosts.__slots__ if k != "kv_tokens"},
             "pools": pools}
 
 
@@ -180,12 +208,11 @@ def _busiest(times: list[float], window: float) -> float:
     return start
 
 
-def _demand(config: GatewayConfig, name: str, mix: _Mix, rate: float) -> ClassDemand:
+def _demand(config: GatewayConfig, name: str, load: ClassLoad, rate: float) -> ClassDemand:
     targets = config.traffic.classes[name].latency_targets() if name in config.traffic.classes else {}
     ttft = dict(targets.get("ttft", ())).get("p95")
     tpot = dict(targets.get("tpot", ())).get("p95")
-    n = max(1, mix.count)
-    return ClassDemand(name, rate, mix.prompt / n, (mix.prompt - mix.cached) / n, mix.output / n,
+    return ClassDemand(name, rate, load.prompt, max(0.0, load.prompt - load.cached), load.output,
                        None if ttft is None else ttft / 1000.0, None if tpot is None else tpot / 1000.0)
 
 
@@ -210,10 +237,13 @@ def _ms(value: float | None) -> str:
 
 def to_markdown(result: dict[str, Any], source: str) -> str:
     """The plan as a Markdown report: one row per pool role, then one per class with predicted p95s vs targets."""
-    lines = [f"# Capacity plan: {source}", "",
-             f"{result['requests']} requests over {result['duration_s']:.0f} s"
-             + (f" ({result['unplaced']} fit no pool)" if result["unplaced"] else "")
-             + f"; peak = the busiest {result['peak_window_s']:.0f} s.", "",
+    if "requests" in result:
+        what = (f"{result['requests']} requests over {result['duration_s']:.0f} s"
+                + (f" ({result['unplaced']} fit no pool)" if result["unplaced"] else "")
+                + f"; peak = the busiest {result['peak_window_s']:.0f} s.")
+    else:
+        what = f"The last {result['window']} as Prometheus measured it; peak = the busiest {result['peak_step']}."
+    lines = [f"# Capacity plan: {source}", "", what, "",
              "| pool | role | replicas at mean | replicas at peak | bottleneck at peak |",
              "|---|---|---|---|---|"]
     for pool, roles in result["pools"].items():

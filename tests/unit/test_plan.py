@@ -108,3 +108,71 @@ def test_a_workload_yaml_is_planned_from_its_trace_and_bad_input_is_named(tmp_pa
     missing.write_text('{"timestamp": 0}\n')
     with pytest.raises(PlanError, match="request 1"):
         read_trace(missing)
+
+
+class _Prometheus:
+    """A Prometheus HTTP API on loopback answering the demand queries from fixed per-(pool, class) figures."""
+
+    FIGURES = {("interactive", "interactive"): {"rate_mean": 8.0, "rate_peak": 16.0, "answered": 28_800.0,
+                                                "prompt": 28_800 * 6000.0, "cached": 28_800 * 2000.0,
+                                                "output": 28_800 * 300.0},
+               ("none", "none"): {"rate_mean": 1.0, "rate_peak": 1.0, "answered": 0.0, "prompt": 0.0,
+                                  "cached": 0.0, "output": 0.0}}
+
+    def __enter__(self) -> str:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlsplit
+
+        figures = self.FIGURES
+        self.queries: list[str] = []
+        queries = self.queries
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                expr = parse_qs(urlsplit(self.path).query)["query"][0]
+                queries.append(expr)
+                key = ("rate_peak" if "max_over_time" in expr else "answered" if 'status="200"' in expr
+                       else "prompt" if "m3gate_prompt_tokens" in expr else "cached" if "cached" in expr
+                       else "output" if "output_tokens" in expr else "rate_mean")
+                result = [{"metric": {"pool": pool, "class": cls}, "value": [0, str(v[key])]}
+                          for (pool, cls), v in figures.items()]
+                body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_plan_from_the_demand_prometheus_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "pools.yaml"
+    config.write_text(CONFIG)
+    prometheus = _Prometheus()
+    with prometheus as url:
+        assert main(["plan", str(config), "--prometheus", url, "--window", "8h", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["window"] == "8h" and all("[8h" in q or "[1m]" in q for q in prometheus.queries)
+    entry = result["pools"]["interactive"]["both"]
+    demand = entry["demand"]["interactive"]
+    assert (demand["rate_mean_per_s"], demand["rate_peak_per_s"]) == (8.0, 16.0)
+    assert (demand["prompt_tokens"], demand["uncached_tokens"], demand["output_tokens"]) == (6000, 4000, 300)
+    assert entry["replicas_peak"] > entry["replicas_mean"] >= 1
+    assert "none" not in result["pools"]  # requests refused before any pool: no pool to size
+
+
+def test_plan_wants_one_source(tmp_path: Path) -> None:
+    config = tmp_path / "pools.yaml"
+    config.write_text(CONFIG)
+    assert main(["plan", str(config)]) == 2
+    assert main(["plan", str(config), "--prometheus", "http://127.0.0.1:9", "--window", "5m"]) == 2  # unreachable
