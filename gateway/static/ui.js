@@ -76,6 +76,9 @@ function renderPools(pools) {
       h("span", {}, "ceiling " + fmt.tokens(p.max_model_len) + " tokens"),
       h("span", {}, "class " + p.class),
       h("span", {}, `${p.available}/${p.replicas.length} available` + (p.launch_replicas ? ` (launch: ${p.launch_replicas})` : "")),
+      ...(p.capacity || []).map((c) => h("span", { class: "capacity", "data-role": c.role, "data-desired": String(c.desired) },
+        (c.role === "both" ? "" : c.role + ": ") + (c.desired === null ? "sizing…" : `needs ${c.desired}`)
+        + (c.desired !== null && c.bottleneck ? ` (${c.bottleneck.replace("_", " ")})` : ""))),
       h("span", { class: "mute" }, p.modalities.join(", ") + " · " + p.policy + (p.precise ? " · precise" : "")));
     const rows = p.replicas.map((r) => {
       const kv = r.kv_usage === null || r.kv_usage === undefined ? "—" :
