@@ -85,13 +85,15 @@ TOOLS = [
 def request_body(kind: str, n: int, model: str) -> dict[str, Any]:
     """The body of the `n`th single request of `kind` (chat, reasoning, repository, document)."""
     if kind == "chat":
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": f"Question {n}:" + text(f"chat-{n % 50}", 30)}],
+        question = f"Question {n}:" + text(f"chat-{n % 50}", 30)
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": question}],
                                 "max_tokens": 16 + 8 * (n % 5), "stream": n % 4 != 3}
     elif kind == "reasoning":
         body = {"messages": [{"role": "user", "content": "Think it through:" + text(f"reason-{n % 20}", 60)}],
                 "max_tokens": 160, "stream": True, "chat_template_kwargs": {"thinking_mode": "enabled"}}
     elif kind == "repository":
-        body = {"messages": [{"role": "system", "content": "You review this repository:" + text("repo", REPOSITORY_TOKENS)},
+        repository = "You review this repository:" + text("repo", REPOSITORY_TOKENS)
+        body = {"messages": [{"role": "system", "content": repository},
                              {"role": "user", "content": f"Where is change {n} needed?"}],
                 "max_tokens": 48, "stream": True}
     elif kind == "document":

@@ -6,8 +6,11 @@ gateway's own latency histograms: bucket deltas between the newest cumulative sn
 Prometheus' `histogram_quantile(0.95, rate(...[1m]))` would draw it), and per pool the requests in flight and the mean
 KV-cache use of its replicas at the sample's moment. The page asks only for the points it has not seen yet.
 
-Memory: POINTS points of a few numbers per class and pool, plus the trailing minute's cumulative snapshots.
-A sample costs one pass over the histogram series (tens of µs), every EVERY_S seconds.
+The cumulative snapshots of the last TABLE_WINDOW_S are kept too: they are the baseline of the page's class table
+(percentiles and rates over the last five minutes, or since the gateway started).
+
+Memory: POINTS points of a few numbers per class and pool, plus TABLE_WINDOW_S / EVERY_S cumulative snapshots
+(a few hundred floats each). A sample costs one pass over the histogram series (tens of µs), every EVERY_S seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ log = logging.getLogger("m3gate.history")
 EVERY_S = 5.0
 POINTS = 180  # 15 minutes at EVERY_S
 TRAILING_S = 60.0  # each point's percentiles and rate cover the minute before it
+TABLE_WINDOW_S = 300.0  # the page's class table: latency and rates over the last five minutes
 
 ClassCounts = dict[str, dict[str, list[float]]]  # class → kind (ttft, tpot, e2e, requests, r429) → counts
 
@@ -81,12 +85,14 @@ class History:
     """The ring of chart points and the task that fills it. One per app (app.state.history)."""
 
     def __init__(self, gw: Gateway, *, every_s: float = EVERY_S, size: int = POINTS, trailing_s: float = TRAILING_S,
-                 wall: Callable[[], float] = time.time) -> None:
+                 table_window_s: float = TABLE_WINDOW_S, wall: Callable[[], float] = time.time) -> None:
         self.gw = gw
         self.every_s = every_s
         self.points: deque[dict[str, Any]] = deque(maxlen=size)
-        # (monotonic t, counts): the newest and the ones up to trailing_s older, the oldest being the baseline
-        self._snapshots: deque[tuple[float, ClassCounts]] = deque(maxlen=max(1, round(trailing_s / every_s)) + 1)
+        self._trailing = max(1, round(trailing_s / every_s))  # snapshots back to a point's baseline
+        # (monotonic t, counts), oldest first: the baselines of the points and of the page's table
+        self._snapshots: deque[tuple[float, ClassCounts]] = deque(
+            maxlen=max(self._trailing, round(table_window_s / every_s)) + 1)
         self._wall = wall
         self._task: asyncio.Task[None] | None = None
 
@@ -103,7 +109,7 @@ class History:
         if counts is None:
             return {}
         self._snapshots.append((now, counts))
-        base_t, base = self._snapshots[0]
+        base_t, base = self._snapshots[max(0, len(self._snapshots) - 1 - self._trailing)]
         if base is counts:  # the first sample: everything since the gateway started
             base = {}
         span = now - base_t
@@ -127,6 +133,12 @@ class History:
             out[name] = {"in_flight": sum(r.in_flight for r in pool.replicas.values()),
                          "kv_use": round(sum(kv) / len(kv), 4) if kv else None}
         return out
+
+    def baseline(self, now: float) -> tuple[float, ClassCounts] | None:
+        """The oldest kept snapshot (at most TABLE_WINDOW_S old) taken before `now`; None before the first."""
+        if self._snapshots and self._snapshots[0][0] < now:
+            return self._snapshots[0]
+        return None
 
     def since(self, t: float | None) -> list[dict[str, Any]]:
         """The points newer than wall time `t` (all of them for None), oldest first."""

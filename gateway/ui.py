@@ -5,19 +5,18 @@ elsewhere), GET /ui/state, the JSON it polls, and GET /ui/access, which tells th
 URL); with `admin.ui_open_on_loopback` loopback clients need no key. /ui/access answers everyone with a 200 (key
 needed? this key accepted?), so that the page never logs a refused request. /ui/state reads what the gateway already
 keeps: the pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config
-reload status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last minutes, from
-bucket deltas between this module's snapshots), the latest requests' stages (gateway/recent.py), the agent sessions
-(gateway/sessions.py) and the chart points of the last 15 minutes newer than `?history_since=` (gateway/history.py).
+reload status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last five minutes,
+from bucket deltas against the history's oldest snapshot), the latest requests' stages (gateway/recent.py), the
+agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes newer than `?history_since=`
+(gateway/history.py).
 
-Apart from the history's sampler (one sample every 5 s), nothing here runs unless the page polls: the snapshots are
-taken by the poll itself (at most one per SNAPSHOT_EVERY_S, the last WINDOW_S kept), and the recent-requests ring
-records only while polls keep coming.
+Apart from the history's sampler (one sample every 5 s), nothing here runs unless the page polls; the
+recent-requests ring records only while polls keep coming.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from importlib import resources
 from typing import Any
 
@@ -27,13 +26,11 @@ from starlette.routing import Route
 
 from gateway.admin import LOOPBACK, check_admin, replica_view
 from gateway.errors import error_response
-from gateway.history import History, class_counts
+from gateway.history import History, class_counts, delta
 from gateway.runtime import Gateway
 from policies.contract import histogram_quantile
 from policies.traffic import pool_class
 
-WINDOW_S = 300.0  # latency percentiles and rates over the last five minutes (or since the page opened)
-SNAPSHOT_EVERY_S = 5.0
 STATIC = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
 _SECURITY_HEADERS = {
     "cache-control": "no-store",
@@ -44,19 +41,10 @@ _SECURITY_HEADERS = {
 }
 
 
-class _Snapshot:
-    __slots__ = ("t", "classes")
-
-    def __init__(self, t: float, classes: dict[str, dict[str, list[float]]]) -> None:
-        self.t = t
-        self.classes = classes  # class → kind (ttft, tpot, e2e, r429, requests) → counts
-
-
 class UiState:
-    """The page's memory between polls: histogram snapshots (a bounded deque), nothing else."""
+    """The page's static files, read once."""
 
     def __init__(self) -> None:
-        self.snapshots: deque[_Snapshot] = deque(maxlen=int(WINDOW_S / SNAPSHOT_EVERY_S) + 2)
         self._static: dict[str, bytes] = {}
 
     def static(self, name: str) -> bytes:
@@ -66,35 +54,30 @@ class UiState:
         return data
 
 
-def _latency(gw: Gateway, ui: UiState, now: float) -> dict[str, Any]:
+def _latency(gw: Gateway, history: History | None, now: float) -> dict[str, Any]:
+    """Per class, latency percentiles and rates from now back to the history's oldest snapshot (at most five
+    minutes old; since the gateway started before the first)."""
     counts = class_counts(gw)
     if counts is None:
         return {"enabled": False}
-    snaps = ui.snapshots
-    if not snaps or now - snaps[-1].t >= SNAPSHOT_EVERY_S:
-        snaps.append(_Snapshot(now, counts))
-    while len(snaps) > 1 and now - snaps[1].t >= WINDOW_S:
-        snaps.popleft()  # keep the newest snapshot at least WINDOW_S old as the baseline
-    base = snaps[0] if snaps and snaps[0].t < now else None
-    window_s = (now - base.t) if base is not None else None
+    base = history.baseline(now) if history is not None else None
+    window_s = (now - base[0]) if base is not None else None
     req = gw.telemetry.metrics.requests  # type: ignore[union-attr]
     bounds = {"ttft": req.ttft.bounds, "tpot": req.tpot.bounds, "e2e": req.e2e.bounds}
     classes: dict[str, Any] = {}
     for cls, kinds in counts.items():
-        before = base.classes.get(cls, {}) if base is not None else {}
+        before = base[1].get(cls, {}) if base is not None else {}
         row: dict[str, Any] = {}
         for kind in ("ttft", "tpot", "e2e"):
-            now_counts = kinds.get(kind)
-            if now_counts is None:
+            if kind not in kinds:
                 continue
-            old = before.get(kind)
-            delta = [a - b for a, b in zip(now_counts, old)] if old is not None else now_counts
-            n = int(round(sum(delta[:-1])))
-            row[kind] = {"n": n, **{f"p{p}_ms": _ms(histogram_quantile(p / 100, bounds[kind], delta))
+            counted = delta(kinds[kind], before.get(kind))
+            n = int(round(sum(counted[:-1])))
+            row[kind] = {"n": n, **{f"p{p}_ms": _ms(histogram_quantile(p / 100, bounds[kind], counted))
                                      for p in (50, 95, 99)}}
         for kind in ("requests", "r429"):
             total = kinds.get(kind, [0.0])[0]
-            old_total = before.get(kind, [0.0])[0] if base is not None else 0.0
+            old_total = before.get(kind, [0.0])[0]
             row[f"{kind}_total"] = int(total)
             row[f"{kind}_per_s"] = round((total - old_total) / window_s, 3) if window_s else None
         routed = sum(kinds["e2e"][:-1]) if "e2e" in kinds else 0.0  # sent to a replica: admitted
@@ -177,7 +160,7 @@ def _sessions(gw: Gateway) -> dict[str, Any] | None:
     return {**gw.sessions.view(30), "open_sessions": len(gw.sessions.store)}
 
 
-def state(gw: Gateway, ui: UiState, reloader: Any, history: History | None = None,
+def state(gw: Gateway, reloader: Any, history: History | None = None,
           history_since: float | None = None) -> dict[str, Any]:
     now = gw.clock()
     wall = time.time()
@@ -188,7 +171,7 @@ def state(gw: Gateway, ui: UiState, reloader: Any, history: History | None = Non
         "health_interval_s": gw.config.server.health_interval_s,
         "pools": _pools(gw, now),
         "classes": _classes(gw),
-        "latency": _latency(gw, ui, now),
+        "latency": _latency(gw, history, now),
         "recent": gw.recent.view(now, wall),
         "reload": reloader.status.as_json() if reloader is not None else None,
         "sessions": _sessions(gw),
@@ -270,8 +253,7 @@ async def ui_state(request: Request) -> Response:
     except ValueError:
         return error_response(400, "`history_since` must be a time in seconds since the epoch (the newest point's "
                               "`t` the page has).", param="history_since", code="invalid_value")
-    body = state(gw, _ui_state_of(request), getattr(request.app.state, "reloader", None),
-                 getattr(request.app.state, "history", None), since)
+    body = state(gw, getattr(request.app.state, "reloader", None), getattr(request.app.state, "history", None), since)
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
 

@@ -92,6 +92,18 @@ def test_each_point_takes_the_p95_of_the_trailing_window_only(gw: Gateway) -> No
     assert fourth["ttft_p95_ms"] is None and fourth["admitted_per_s"] == 0.0
 
 
+def test_the_tables_baseline_is_the_oldest_snapshot_of_the_last_five_minutes(gw: Gateway) -> None:
+    history = History(gw, every_s=5.0, trailing_s=10.0, table_window_s=20.0)  # 5 snapshots kept
+    assert history.baseline(gw.clock()) is None  # before the first sample: the page counts since the start
+    taken = []
+    for _ in range(8):
+        history.sample()
+        taken.append(gw.clock.t)
+        gw.clock.t += 5
+    assert history.baseline(gw.clock())[0] == taken[-5]  # 20 s back from the newest
+    assert history.baseline(taken[-5]) is None  # nothing older than that moment
+
+
 def test_pools_show_in_flight_and_kv_use(gw: Gateway) -> None:
     replicas = list(gw.pools["short"].replicas.values())
     replicas[0].in_flight, replicas[1].in_flight = 3, 2
