@@ -27,7 +27,7 @@ DEMO_POOLS: list[dict[str, Any]] = [
     {"name": "interactive", "max_model_len": 32768, "modalities": ["text", "image", "video"],
      "sim_args": ["--modalities", "text,image,video", "--kv-blocks", "4096"]},
     {"name": "repository", "max_model_len": 131072, "modalities": ["text"], "sim_args": ["--kv-blocks", "8192"]},
-    {"name": "extended", "max_model_len": 1048576, "modalities": ["text"], "sim_args": ["--kv-blocks", "12288"]},
+    {"name": "extended", "max_model_len": 1048576, "modalities": ["text"], "sim_args": ["--kv-blocks", "16384"]},
 ]
 
 

@@ -154,10 +154,15 @@ def _classes(gw: Gateway) -> list[dict[str, Any]]:
 
 
 def _sessions(gw: Gateway) -> dict[str, Any] | None:
-    """The agent-sessions panel's data (what GET /admin/sessions answers, the latest 30), in the same poll."""
+    """The agent-sessions panel's data (what GET /admin/sessions answers, the latest 30, without the per-turn
+    detail the panel does not show), in the same poll."""
     if gw.sessions is None:
         return None
-    return {**gw.sessions.view(30), "open_sessions": len(gw.sessions.store)}
+    view = gw.sessions.view(30)
+    for sessions in view.values():
+        for session in sessions:
+            session.pop("recent_turns", None)
+    return {**view, "open_sessions": len(gw.sessions.store)}
 
 
 def state(gw: Gateway, reloader: Any, history: History | None = None,

@@ -92,22 +92,30 @@ def chromium(width: int = 1400, height: int = 1000) -> Any:
     return webdriver.Chrome(service=Service(shutil.which("chromedriver") or "chromedriver"), options=options)
 
 
-def take(url: str, out: Path, width: int = 1400, min_height: int = 1000, settle_s: float = 4.0) -> list[str]:
+def take(url: str, out: Path, width: int = 1400, min_height: int = 1000, settle_s: float = 2.0,
+         fill_rows: int = 30) -> list[str]:
     """Open `url`, let it poll a few times, size the window to the whole page and save the PNG; the console's
     SEVERE entries are returned."""
     driver = chromium(width, min_height)
     try:
         driver.get(url)
+        # the latest-requests table fills while the page is open (it keeps requests that arrive once it polls)
         deadline = time.monotonic() + 30
-        while not driver.execute_script("return !!document.querySelector('tr.recent-request') && "
-                                        "!!document.querySelector('svg.chart path');"):
+        while driver.execute_script("return document.querySelectorAll('tr.recent-request').length") < fill_rows:
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.2)
+            time.sleep(0.5)
         time.sleep(settle_s)
-        height = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.set_window_size(width, max(min_height, min(int(height) + 20, 4000)))
-        time.sleep(2.5)  # one more poll at the new size
+        size = 0
+        for _ in range(5):  # the viewport as tall as the page, until the page stops growing
+            height = driver.execute_script("return Math.ceil(document.documentElement.getBoundingClientRect().height)")
+            if height == size:
+                break
+            size = height
+            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+                "width": width, "height": max(min_height, min(int(height), 6000)), "deviceScaleFactor": 1,
+                "mobile": False})
+            time.sleep(2.5)  # one more poll at the new size
         out.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(out))
         return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]

@@ -7,7 +7,7 @@ const KEY = "m3gate.adminKey";
 const HISTORY_S = 900;  // the charts' span: the gateway keeps 15 minutes of points
 let timer = null;
 let failures = 0;
-const history = { points: [], size: 180, every_s: 5, drawn: null };
+const kept = { points: [], size: 180, every_s: 5, drawn: null };  // the history points this page holds
 
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
@@ -177,43 +177,50 @@ function svg(tag, attrs, ...children) {
 
 function mergeHistory(view) {
   if (!view) return;
-  history.size = view.size;
-  history.every_s = view.every_s;
-  const last = history.points.length ? history.points[history.points.length - 1].t : -Infinity;
-  for (const p of view.points) if (p.t > last) history.points.push(p);
-  const since = history.points.length ? history.points[history.points.length - 1].t - HISTORY_S : 0;
-  while (history.points.length > history.size || (history.points.length && history.points[0].t < since)) history.points.shift();
+  kept.size = view.size;
+  kept.every_s = view.every_s;
+  const last = kept.points.length ? kept.points[kept.points.length - 1].t : -Infinity;
+  for (const p of view.points) if (p.t > last) kept.points.push(p);
+  const since = kept.points.length ? kept.points[kept.points.length - 1].t - HISTORY_S : 0;
+  while (kept.points.length > kept.size || (kept.points.length && kept.points[0].t < since)) kept.points.shift();
 }
 
 // The charts' time axis: the points kept, at least a minute, at most 15 minutes (a young gateway's lines fill it).
 function historySpan() {
-  const pts = history.points;
+  const pts = kept.points;
   return pts.length ? Math.min(HISTORY_S, Math.max(60, pts[pts.length - 1].t - pts[0].t)) : HISTORY_S;
 }
 
 // One chart: `series` = [[t, value or null]] over historySpan(); `target` a dashed line.
 function chart({ id, title, tip, series, target, format, max }) {
-  const now = history.points.length ? history.points[history.points.length - 1].t : Date.now() / 1000;
+  const now = kept.points.length ? kept.points[kept.points.length - 1].t : Date.now() / 1000;
   const span = historySpan();
   const values = series.map(([, v]) => v).filter((v) => v !== null && v !== undefined);
   const top = Math.max(max || 0, ...values, target || 0) * (max ? 1 : 1.15) || 1;
   const x = (t) => ((t - (now - span)) / span) * CHART_W;
   const y = (v) => CHART_H - 2 - (v / top) * (CHART_H - 4);
-  let d = "", pen = "M";
+  // the line, broken where a point has no value; a value alone between gaps is a dot
+  let d = "", run = [];
+  const dots = [];
+  const flush = () => {
+    if (run.length === 1) dots.push(svg("circle", { cx: run[0][0], cy: run[0][1], r: 1.8, class: "chart-dot" }));
+    else if (run.length) d += run.map(([px, py], i) => `${i ? "L" : "M"}${px},${py}`).join("");
+    run = [];
+  };
   for (const [t, v] of series) {
-    if (v === null || v === undefined) { pen = "M"; continue; }
-    d += `${pen}${x(t).toFixed(1)},${y(v).toFixed(1)}`;
-    pen = "L";
+    if (v === null || v === undefined) flush();
+    else run.push([x(t).toFixed(1), y(v).toFixed(1)]);
   }
+  flush();
   const latest = values.length ? series.filter(([, v]) => v !== null && v !== undefined).pop()[1] : null;
   const over = target && latest !== null && latest > target;
-  const chartTip = `${tip}. The last ${spanText(span)} (up to 15 kept), one point every ${history.every_s} s` + (target ? `; dashed: the target, ${format(target)}` : "") + `; top of the chart ${format(top)}.`;
+  const chartTip = `${tip}. The last ${spanText(span)} (up to 15 min kept), one point every ${kept.every_s} s` + (target ? `; dashed: the target, ${format(target)}` : "") + `; top of the chart ${format(top)}.`;
   const picture = svg("svg", { class: "chart", viewBox: `0 0 ${CHART_W} ${CHART_H}`, width: CHART_W, height: CHART_H,
     "data-series": id, "data-points": values.length, role: "img", "aria-label": title },
     svg("title", {}, chartTip),
     svg("rect", { x: 0, y: 0, width: CHART_W, height: CHART_H, class: "chart-bg" }),
     target ? svg("line", { x1: 0, x2: CHART_W, y1: y(target), y2: y(target), class: "chart-target" }) : null,
-    d ? svg("path", { d, class: "chart-line" }) : null);
+    d ? svg("path", { d, class: "chart-line" }) : null, dots);
   return h("div", { class: "chart-card", title: chartTip, "data-chart": id },
     h("div", { class: "chart-head" }, h("span", {}, title),
       h("span", { class: "chart-value " + (over ? "fail" : ""), title: "the newest point" + (target ? (over ? ", above the target" : ", within the target") : "") }, latest === null ? "—" : format(latest))),
@@ -224,11 +231,11 @@ function spanText(s) { return s < 90 ? Math.round(s) + " s" : (s / 60).toFixed(s
 
 function renderHistory(classes) {
   const box = document.getElementById("history");
-  const newest = history.points.length ? history.points[history.points.length - 1].t : null;
-  if (newest === history.drawn && box.childElementCount) return;  // nothing new since the last drawing
-  history.drawn = newest;
-  if (!history.points.length) { box.replaceChildren(h("p", { class: "mute", id: "history-empty" }, "The first points come within 5 s.")); return; }
-  const pts = history.points;
+  const newest = kept.points.length ? kept.points[kept.points.length - 1].t : null;
+  if (newest === kept.drawn && box.childElementCount) return;  // nothing new since the last drawing
+  kept.drawn = newest;
+  if (!kept.points.length) { box.replaceChildren(h("p", { class: "mute", id: "history-empty" }, "The first points come within 5 s.")); return; }
+  const pts = kept.points;
   const pick = (group, name, field) => pts.map((p) => [p.t, ((p[group] || {})[name] || {})[field] ?? null]);
   const classNames = classes.map((c) => c.name);
   const poolNames = [...new Set(pts.flatMap((p) => Object.keys(p.pools || {})))];
@@ -364,7 +371,7 @@ async function poll() {
   timer = null;
   let interval = 2000;
   try {
-    const since = history.points.length ? "?history_since=" + history.points[history.points.length - 1].t : "";
+    const since = kept.points.length ? "?history_since=" + kept.points[kept.points.length - 1].t : "";
     const r = await fetch("/ui/state" + since, { headers: authHeaders(), cache: "no-store" });
     if (r.status === 401 || r.status === 403) {  // the key changed under us (a config reload): ask again
       sessionStorage.removeItem(KEY);

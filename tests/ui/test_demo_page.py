@@ -106,7 +106,7 @@ def test_the_demos_traffic_reaches_every_section(page: DemoPage) -> None:
 def test_the_history_charts_draw_and_update(page: DemoPage) -> None:
     def drawn() -> dict[str, int]:
         return page.js("const out = {}; for (const s of document.querySelectorAll('svg.chart'))"
-                       "  out[s.dataset.series] = Number(s.dataset.points) * (s.querySelector('path') ? 1 : 0);"
+                       "  out[s.dataset.series] = Number(s.dataset.points) * (s.querySelector('path, circle') ? 1 : 0);"
                        "return out;")
 
     first = page.wait("lines in the interactive class's and pool's charts", lambda: (lambda d: d if (
