@@ -4,6 +4,8 @@
   from the pydantic model itself, so a new, renamed or retyped key shows up the next time the site is built.
 - `reference/http-api.md`: a table of every path and operation of `deploy/openapi.yaml`; the file itself is
   included in the page by pymdownx.snippets (nothing is fetched at view time: no Swagger UI from a CDN).
+- `<!-- rendered-commands -->` in deployment.md: `m3gate pools render` of the compose pool files, the recipe's
+  `vllm serve` flags exactly as the gateway renders them today.
 - `<!-- layers -->` in architecture.md: the import-linter layers of pyproject.toml, each module with the first line
   of its docstring (read with `ast`: nothing of the gateway is imported to build the table).
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 import sys
 import tomllib
 import types
@@ -39,6 +42,8 @@ EXTRA_DESCRIPTIONS: dict[str, str] = {
     "classification.output_budget.disabled": "Reserve for thinking_mode: disabled.",
     "classification.image_tokens_max": "Upper bound of one image's token estimate.",
     "classification.video_tokens_default": "Tokens for a video whose size is unknown.",
+    "routing": "How a replica is chosen within the chosen pool.",
+    "server": "The gateway's listener and its upstream timeouts.",
     "server.host": "Listen address (env M3GATE_HOST).",
     "server.port": "Listen port (env M3GATE_PORT); 0 picks a free one.",
     "server.upstream_connect_timeout_s": "Longest TCP connect to a replica; beyond it the attempt fails (and is "
@@ -167,7 +172,8 @@ def config_reference_markdown() -> str:
             key = f"{prefix}.{name}" if prefix else name
             description = field.description or EXTRA_DESCRIPTIONS.get(key, "")
             if not description and _nested_models(field.annotation):
-                description = _doc(_nested_models(field.annotation)[0][1]).split(". ")[0].rstrip(".") + "."
+                summary = _doc(_nested_models(field.annotation)[0][1]).split(". ")[0].rstrip(".")
+                description = summary + "." if summary else ""
             if key in EXTRA_DESCRIPTIONS:
                 used.add(key)
             tp = field.annotation
@@ -235,9 +241,14 @@ def http_api_markdown() -> str:
         for method, op in item.items():
             if method not in {"get", "post", "put", "delete", "patch"}:
                 continue
-            summary = _cell(op.get("summary") or (op.get("description") or "").split("\n")[0])
-            codes = ", ".join(str(c) for c in op.get("responses", {}))
-            rows.append(f"| `{method.upper()}` | `{path}` | {summary} | {codes} |")
+            responses = op.get("responses", {})
+            ok = _resolve(spec, next((r for c, r in responses.items() if str(c).startswith("2")), {}) or {})
+            what = op.get("summary") or _first_sentence(op.get("description") or "") or ok.get("description") or ""
+            body = (op.get("requestBody") or {}).get("content", {}).get("application/json", {}).get("schema", {})
+            if "$ref" in body:
+                what = f"Body `{body['$ref'].rsplit('/', 1)[-1]}`. " + what
+            codes = ", ".join(str(c) for c in responses)
+            rows.append(f"| `{method.upper()}` | `{path}` | `{op.get('operationId', '')}` | {_cell(what)} | {codes} |")
     return f"""# HTTP API
 
 The gateway's HTTP surface as described by `deploy/openapi.yaml` (OpenAPI {spec.get('openapi', '')}, "{info.get('title', '')}"
@@ -245,8 +256,8 @@ The gateway's HTTP surface as described by `deploy/openapi.yaml` (OpenAPI {spec.
 The fuzz suite (`make fuzz`, [Reliability](../reliability.md#hostile-and-malformed-input)) generates its cases
 from it. Every refusal is an OpenAI-shaped error, `{{"error": {{"message", "type", "param", "code"}}}}`.
 
-| method | path | what | responses |
-|---|---|---|---|
+| method | path | operationId | what | responses |
+|---|---|---|---|---|
 {chr(10).join(rows)}
 
 ## `deploy/openapi.yaml`
@@ -255,6 +266,31 @@ from it. Every refusal is an OpenAI-shaped error, `{{"error": {{"message", "type
 --8<-- "deploy/openapi.yaml"
 ```
 """
+
+
+def _resolve(spec: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """Follow a local `$ref` (`#/components/...`) to what it names."""
+    ref = node.get("$ref", "")
+    if not ref.startswith("#/"):
+        return node
+    for part in ref[2:].split("/"):
+        spec = spec.get(part, {})
+    return spec
+
+
+def _first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat.split(". ")[0].rstrip(".") + "." if flat else ""
+
+
+# The top-level packages have no docstring of their own; the architecture page says what each holds.
+PACKAGES = {
+    "loadtests": "Benchmarks, load generator and trace replay, chaos, fuzz and soak suites (may import anything below).",
+    "gateway": "HTTP and the coordinator: one request's path, the process's runtime and its collaborators.",
+    "pools": "The outside world: replicas, health and metrics scraping, prefix indexes, KV events, Redis shared "
+             "state, rate limits, DNS, the simulator, the vLLM launcher.",
+    "policies": "Pure decisions, no I/O: classification, pool and replica choice, admission, the config model.",
+}
 
 
 def layers_markdown() -> str:
@@ -266,7 +302,8 @@ def layers_markdown() -> str:
     out.append(f"**{packages['name']}**\n")
     out.append("| layer | package | what |\n|---|---|---|")
     for i, name in enumerate(packages["layers"], 1):
-        out.append(f"| {i} | `{name}/` | {_cell(_summary(ROOT / name / '__init__.py'))} |")
+        what = _summary(ROOT / name / "__init__.py") or PACKAGES.get(name, "")
+        out.append(f"| {i} | `{name}/` | {_cell(what)} |")
     for cid in ("gateway", "policies"):
         contract = contracts[cid]
         out.append(f"\n**{contract['name']}**\n")
@@ -275,6 +312,20 @@ def layers_markdown() -> str:
             for module in (m.strip() for m in layer.split("|")):
                 out.append(f"| {i} | `{cid}/{module}.py` | {_cell(_summary(ROOT / cid / f'{module}.py'))} |")
     return "\n".join(out) + "\n"
+
+
+def rendered_commands_markdown() -> str:
+    """`m3gate pools render` of the compose deployment's pool files: the recipe's flags as the gateway renders them."""
+    sys.path.insert(0, str(ROOT))
+    from policies.config import load_config
+    from policies.launch import format_commands, render_config
+
+    out = []
+    for name in ("pools.yaml", "pools.pd.yaml"):
+        path = ROOT / "deploy" / "compose" / name
+        text = format_commands(render_config(load_config(path, env={})), "shell")
+        out.append(f"`m3gate pools render deploy/compose/{name}`:\n\n```bash\n{text.rstrip()}\n```\n")
+    return "\n".join(out)
 
 
 def _summary(path: Path) -> str:
@@ -298,4 +349,10 @@ def on_files(files: Files, config: Any) -> Files:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if "<!-- layers -->" in markdown:
         markdown = markdown.replace("<!-- layers -->", layers_markdown())
+    if "<!-- rendered-commands -->" in markdown:
+        # Indented like its marker, so the block can sit inside an admonition.
+        def indented(match: re.Match[str]) -> str:
+            return "\n".join(match.group(1) + line if line else line
+                             for line in rendered_commands_markdown().splitlines())
+        markdown = re.sub(r"^( *)<!-- rendered-commands -->$", indented, markdown, flags=re.MULTILINE)
     return markdown
