@@ -123,6 +123,8 @@ def run_demo(port: int = 8080, traffic: bool = True) -> int:
         return 2
     sims = []
     sample: DemoTraffic | None = None
+    # SIGTERM as Ctrl-C, from the start: a stop while the simulators start still stops the ones already running
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for pool in DEMO_POOLS:
             sims.append(start_sim(pool["max_model_len"], model=MODEL, extra_args=pool["sim_args"]))
@@ -132,7 +134,6 @@ def run_demo(port: int = 8080, traffic: bool = True) -> int:
         for pool, sim in zip(DEMO_POOLS, sims, strict=True):
             print(f"  pool {pool['name']:<12} {pool['max_model_len']:>8} tokens  simulator pid {sim.pid} at {sim.url}")
         print(snippet(base_url, traffic), flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=port, loop="none",
                                                http="httptools", log_level="warning", access_log=False,
                                                timeout_graceful_shutdown=5))
@@ -144,6 +145,6 @@ def run_demo(port: int = 8080, traffic: bool = True) -> int:
     finally:
         for sim in sims:
             sim.stop()
-        done = f" {sample.summary()}." if sample is not None else ""
-        print(f"m3gate demo stopped (gateway, simulators and sample traffic).{done}", flush=True)
+        stopped = f"gateway, simulators and sample traffic: {sample.summary()}" if sample else "gateway and simulators"
+        print(f"m3gate demo stopped ({stopped}).", flush=True)
     return 0
