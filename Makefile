@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo docs test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium dashboards-png chaos fuzz soak contract
+.PHONY: venv demo docs test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium haproxy dashboards-png chaos fuzz soak contract
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,12 +26,14 @@ redis:
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
-test: venv docs redis vllm-env prometheus chromium
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
-	$(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
+# Every tool a test runs is installed first; M3GATE_REQUIRE_TOOLS=1 makes a test whose tool is still missing FAIL
+# instead of skipping (tests/support/tools.py).
+test: venv docs redis vllm-env prometheus chromium haproxy
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
 
-test-fast: venv redis prometheus chromium
-	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
+test-fast: venv redis prometheus chromium haproxy
+	M3GATE_REQUIRE_TOOLS=1 M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
 
 # Prometheus + promtool (Debian package): the observability tests run a real one.
 prometheus:
@@ -40,6 +42,10 @@ prometheus:
 # Debian's chromium + chromedriver: the browser tests (tests/ui) drive /ui and the contract report headless.
 chromium:
 	@scripts/install-chromium.sh
+
+# Debian's haproxy: the compose test checks the stack's load balancer config with `haproxy -c`.
+haproxy:
+	@scripts/install-haproxy.sh
 
 # The operating contract of the compose deployment and its SLO rules (regenerated from deploy/compose/pools.yaml).
 contract: venv

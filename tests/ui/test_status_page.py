@@ -9,7 +9,6 @@ loadtests/results/ui/ (printed).
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from gateway.launcher import GatewayProcess, start_gateway
 from policies.config import GatewayConfig
 from policies.contract import build_contract, check, observed_from_samples
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.tools import tools_required
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -36,7 +36,7 @@ else:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER and SELENIUM) and not os.environ.get("CI"),
+    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER and SELENIUM) and not tools_required(),
                        reason="chromium, chromedriver or selenium missing: run `make chromium` and `make venv`"),
 ]
 
