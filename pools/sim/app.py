@@ -683,6 +683,25 @@ class SimApp:
         return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage, deferred=len(e.loading)),
                         media_type=CONTENT_TYPE)
 
+    # ---- shutdown (SIGTERM) -----------------------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> None:
+        """vLLM's SIGTERM handling with --shutdown-timeout N: from now on every new request is aborted as it
+        reaches the engine (the server still listens and /health still answers 200, as the engine lives); with
+        N = 0 the requests in flight are aborted at once (finish_reason "abort"), otherwise they run until done or
+        until N seconds have passed, when the engine is killed and the rest fail. Returns when nothing is left."""
+        engine = self.engine
+        engine.draining = True
+        if timeout_s <= 0:
+            for req in engine.in_flight:
+                engine.shutdown_abort(req)
+            return
+        deadline = engine.clock() + timeout_s
+        while engine.in_flight and engine.clock() < deadline:
+            await asyncio.sleep(0.01)
+        for req in engine.in_flight:
+            engine.kill(req)
+
     # ---- /sim admin ------------------------------------------------------------------------------------------
 
     async def faults_route(self, request: Request) -> Response:
@@ -806,8 +825,9 @@ class GenerationResponse(Response):
             sent += 1
             if self.drop_after is not None and sent >= self.drop_after:
                 raise self._drop()
-        if self.gen.aborted:
-            raise DropConnection()
+        gen = self.gen
+        if gen.client_gone or (gen.server_aborted and self.shape not in (ChatShape, CompletionShape)):
+            raise DropConnection()  # Responses/Messages streams cut by a shutdown end with the connection
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _unary(self, send: Send) -> None:

@@ -104,6 +104,7 @@ class SimRequest:
     finish_reason: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     trace_parent: tuple[int, int] | None = None  # (trace id, parent span id) of its traceparent (pools/sim/tracing.py)
+    server_abort: bool = False  # aborted by the replica shutting down, not by its client
 
     @property
     def finished(self) -> bool:
@@ -154,6 +155,7 @@ class Engine:
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
+        self.draining = False  # SIGTERM received: new requests are aborted as they arrive (vLLM's shutdown)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -181,6 +183,8 @@ class Engine:
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_tokens
         self._work.set()
+        if self.draining:  # EngineCore._reject_add_in_shutdown: finished at once with finish_reason "abort"
+            self.shutdown_abort(req)
 
     def _reject(self, reason: str) -> None:
         self.counters.rejected += 1
@@ -191,6 +195,22 @@ class Engine:
         """The client went away: free everything the request holds (counted as finished_reason=abort)."""
         if req.status in ("waiting", "loading", "running"):
             self._finish(req, "abort", self.clock())
+
+    def shutdown_abort(self, req: SimRequest) -> None:
+        """The replica is shutting down (SIGTERM with --shutdown-timeout 0, or a request arriving while it
+        drains): finish the request with "abort"; its stream still ends properly."""
+        if req.status in ("waiting", "loading", "running"):
+            req.server_abort = True
+            self._finish(req, "abort", self.clock())
+
+    def kill(self, req: SimRequest) -> None:
+        """The drain timed out and the engine process is killed: the request fails as on an engine death."""
+        if req.status in ("waiting", "loading", "running"):
+            self._finish(req, "error", self.clock())
+
+    @property
+    def in_flight(self) -> list[SimRequest]:
+        return [*self.waiting, *self.loading, *self.running]
 
     def release_blocks(self, blocks: list[int]) -> None:
         """The connector frees blocks it held for a decode side (they stay in the prefix cache, now evictable)."""

@@ -74,6 +74,16 @@ class Generation:
         return any(c.sim.finish_reason == "abort" for c in self.choices)
 
     @property
+    def client_gone(self) -> bool:
+        """Aborted because the client went away (nothing more is sent)."""
+        return any(c.sim.finish_reason == "abort" and not c.sim.server_abort for c in self.choices)
+
+    @property
+    def server_aborted(self) -> bool:
+        """Aborted by the replica's shutdown: chat and completions streams still end with finish_reason "abort"."""
+        return any(c.sim.finish_reason == "abort" and c.sim.server_abort for c in self.choices)
+
+    @property
     def finished(self) -> bool:
         return all(c.sim.finished for c in self.choices)
 
@@ -282,7 +292,7 @@ class ChatShape:
         sent = [0] * len(gen.choices)
         started = False
         async for counts in progress_all(gen):
-            if gen.aborted:
+            if gen.client_gone:
                 return
             if not started:
                 started = True
@@ -308,9 +318,18 @@ class ChatShape:
                         chunk["usage"] = ChatShape._running_usage(gen, choice, i + 1)
                     yield _sse(chunk)
                 sent[choice.index] = upto
-        if gen.aborted:
+        if gen.client_gone:
             return
-        if gen.failed:  # the engine's first output is the error: role chunks, then the error event
+        if gen.server_aborted:
+            if not started:  # the first engine output is the abort: the role chunk still goes out
+                for chunk in ChatShape._role_chunks(gen, head):
+                    yield chunk
+            for choice in gen.choices:
+                if choice.sim.num_output:  # vLLM skips an empty output, so an answer with no token has no end
+                    yield _sse({**head, "choices": [{
+                        "index": choice.index, "delta": {}, "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None, "token_ids": [] if with_ids else None}]})
+        elif gen.failed:  # the engine's first output is the error: role chunks, then the error event
             if not started:
                 for chunk in ChatShape._role_chunks(gen, head):
                     yield chunk
@@ -378,7 +397,7 @@ class CompletionShape:
         sent = [0] * len(gen.choices)
         offsets = [0] * len(gen.choices)
         async for counts in progress_all(gen):
-            if gen.aborted:
+            if gen.client_gone:
                 return
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total, off = choice.sim.output_tokens, choice.offset
@@ -405,9 +424,16 @@ class CompletionShape:
                                           "completion_tokens": i + 1}
                     yield _sse(chunk)
                 sent[choice.index] = upto
-        if gen.aborted:
+        if gen.client_gone:
             return
-        if gen.failed:
+        if gen.server_aborted:
+            for choice in gen.choices:
+                if choice.sim.num_output:
+                    yield _sse({**head, "choices": [{
+                        "index": choice.index, "text": "", "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None, "prompt_token_ids": None,
+                        "token_ids": [] if gen.return_token_ids else None}]})
+        elif gen.failed:
             yield STREAM_ERROR
             yield DONE
             return
