@@ -135,7 +135,7 @@ def _value_for(schema: dict[str, Any], rng: random.Random) -> Any:
 
 def _arguments_for(schema: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     props = schema.get("properties") or {}
-    required = schema.get("required") or list(props)
+    required = schema.get("required") or sorted(props)  # sorted: the order survives rendering (sort_keys)
     return {name: _value_for(props.get(name, {}), rng) for name in required}
 
 

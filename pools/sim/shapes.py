@@ -355,12 +355,12 @@ class ChatShape:
 
     @staticmethod
     def _choice(gen: Generation, choice: Choice) -> dict[str, Any]:
-        plan = choice.plan
-        reasoning = plan.text("reasoning") if plan.reasoning_tokens and gen.include_reasoning else None
-        content = plan.text("content") if plan.content_tokens else None
+        plan, out = choice.plan, choice.sim.num_output  # fewer than planned when a shutdown aborted it
+        reasoning = (plan.text("reasoning", out) or None) if plan.reasoning_tokens and gen.include_reasoning else None
+        content = plan.text("content", out) if plan.content_tokens and out > plan.reasoning_tokens else None
         message: dict[str, Any] = {"role": gen.role, "content": content, "refusal": None, "annotations": None,
                                    "audio": None, "function_call": None}
-        if plan.tool_call is not None:
+        if plan.tool_call is not None and out >= plan.total_tokens:
             call = plan.tool_call
             message["tool_calls"] = [{"id": call.call_id, "type": "function",
                                       "function": {"name": call.name, "arguments": call.arguments}}]
@@ -369,8 +369,9 @@ class ChatShape:
         logprobs = chat_logprobs(choice, 0, choice.sim.num_output, k) if k is not None else None
         ids = ([plan.token_id(i) for i in range(choice.sim.num_output)]
                if gen.return_token_ids and gen.include_reasoning else None)
+        finish = "abort" if choice.sim.finish_reason == "abort" else gen.finish_reason(choice)
         return {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": gen.finish_reason(choice), "stop_reason": None, "token_ids": ids,
+                "finish_reason": finish, "stop_reason": None, "token_ids": ids,
                 "routed_experts": None}
 
     @staticmethod
@@ -450,7 +451,8 @@ class CompletionShape:
         choices = [{"index": c.index,
                     "text": echo + "".join(c.plan.raw_piece(c.offset + i) for i in range(c.sim.num_output)),
                     "logprobs": completion_logprobs(c, 0, c.sim.num_output, k, 0) if k is not None else None,
-                    "finish_reason": c.plan.engine_finish, "stop_reason": None,
+                    "finish_reason": "abort" if c.sim.finish_reason == "abort" else c.plan.engine_finish,
+                    "stop_reason": None,
                     "token_ids": [c.plan.token_id(c.offset + i) for i in range(c.sim.num_output)] if ids else None,
                     "prompt_logprobs": None, "prompt_token_ids": gen.prompt_ids if ids else None,
                     "routed_experts": None} for c in gen.choices]

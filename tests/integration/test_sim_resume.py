@@ -134,3 +134,38 @@ def test_return_token_ids_shapes_match_vllm(pair) -> None:  # type: ignore[no-un
                for c in chunks[1:])
     body = httpx.post(a.url + "/v1/completions", json=comp, timeout=10).json()["choices"][0]
     assert body["prompt_token_ids"] == first["prompt_token_ids"] and len(body["token_ids"]) == 4
+
+
+def sse_events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as resp:
+        return [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: ")]
+
+
+def test_messages_and_responses_answers_are_the_chat_answer_and_resume_the_same_way(pair) -> None:  # type: ignore[no-untyped-def]
+    """vLLM serves both through its chat path; greedy, the sim gives the chat answer of the same conversation, so a
+    gateway can resume them from the chat prompt's ids (/tokenize) plus the generated ids."""
+    a, b = pair
+    messages = [{"role": "user", "content": "plan a trip"}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 50, "temperature": 0, "return_token_ids": True,
+            "chat_template_kwargs": {"thinking_mode": "enabled"}}
+    chunks = events(a.url, "/v1/chat/completions", chat)
+    prompt, ids, _ = stream_ids(chunks)
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in chunks if c["choices"])
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    anthropic = sse_events(a.url, "/v1/messages", {"model": MODEL, "messages": messages, "max_tokens": 50,
+                                                   "temperature": 0, "thinking": {"type": "enabled"}})
+    deltas = [e["delta"] for e in anthropic if e.get("type") == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == reasoning
+    assert "".join(d.get("text", "") for d in deltas) == content
+    responses = sse_events(a.url, "/v1/responses", {"model": MODEL, "input": messages, "max_output_tokens": 50,
+                                                    "temperature": 0,
+                                                    "chat_template_kwargs": {"thinking_mode": "enabled"}})
+    assert "".join(e.get("delta", "") for e in responses if e["type"] == "response.output_text.delta") == content
+
+    tokenized = httpx.post(b.url + "/tokenize", json={"model": MODEL, "messages": messages,
+                                                      "chat_template_kwargs": {"thinking_mode": "enabled"}},
+                           timeout=10).json()
+    assert tokenized["tokens"] == prompt
+    rest, raw, _ = resume(b.url, tokenized["tokens"], ids[:10], 40)
+    assert rest == ids[10:] and (reasoning + "</mm:think>" + content).endswith(raw)
