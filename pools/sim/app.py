@@ -392,6 +392,8 @@ class SimApp:
 
     async def _pre_generate(self) -> None:
         """Faults that strike before any work: added latency, hangs, injected 500s."""
+        if self.engine.draining:
+            raise shutting_down()
         faults = self.faults.current
         if faults.added_latency_ms > 0:
             await asyncio.sleep(faults.added_latency_ms / 1000)
@@ -638,6 +640,8 @@ class SimApp:
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
+        if self.engine.draining:
+            raise shutting_down()
         if isinstance(body, dict) and "messages" in body:
             precheck_tokenize_chat(body)
             chat: TokenizeChatRequest = validate(TokenizeChatRequest, body)
@@ -686,13 +690,17 @@ class SimApp:
     # ---- shutdown (SIGTERM) -----------------------------------------------------------------------------------
 
     async def drain(self, timeout_s: float) -> None:
-        """vLLM's SIGTERM handling with --shutdown-timeout N: from now on every new request is aborted as it
-        reaches the engine (the server still listens and /health still answers 200, as the engine lives); with
-        N = 0 the requests in flight are aborted at once (finish_reason "abort"), otherwise they run until done or
-        until N seconds have passed, when the engine is killed and the rest fail. Returns when nothing is left."""
+        """vLLM's SIGTERM handling with --shutdown-timeout N (observed on vLLM 0.32): its frontend shuts its
+        renderer down first, so every new generate or /tokenize request fails with a 500 while the server still
+        listens and /health still answers 200 (the engine lives). With N = 0 the requests in flight are aborted at
+        once (their streams end with finish_reason "abort") and the server stops listening; otherwise they run
+        until done or until N seconds have passed, when the engine is killed: what is left gets no more tokens and
+        no error, its stream stays open and silent until the client hangs up. Returns when nothing runs."""
         engine = self.engine
         engine.draining = True
         if timeout_s <= 0:
+            if self.listener is not None:
+                self.listener.pause()
             for req in engine.in_flight:
                 engine.shutdown_abort(req)
             return
@@ -861,6 +869,11 @@ class HangResponse(Response):
         while (await receive())["type"] != "http.disconnect":
             pass
         raise DropConnection()
+
+
+def shutting_down() -> ApiError:
+    """What vLLM 0.32 answers a request that arrives after SIGTERM: its renderer's executor is already shut down."""
+    return ApiError(500, "cannot schedule new futures after shutdown", "InternalServerError")
 
 
 def _event_publisher(settings: SimSettings) -> SimEventPublisher | None:

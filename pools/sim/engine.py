@@ -86,7 +86,7 @@ class SimRequest:
     remote_prefill: bool = False  # decode side: the prompt's KV is to be pulled from a prefill replica
     reported_cached_tokens: int | None = None  # decode side: the prefill side's prefix hits, reported in usage
     # engine state
-    status: str = "new"  # new | waiting | loading | running | finished
+    status: str = "new"  # new | waiting | loading | running | finished | killed (engine gone while draining)
     blocks: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # prompt blocks already stored in the prefix cache
     num_computed: int = 0  # tokens whose KV is computed
@@ -155,7 +155,7 @@ class Engine:
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
-        self.draining = False  # SIGTERM received: new requests are aborted as they arrive (vLLM's shutdown)
+        self.draining = False  # SIGTERM received (vLLM's shutdown): the frontend refuses new requests
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -183,8 +183,6 @@ class Engine:
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_tokens
         self._work.set()
-        if self.draining:  # EngineCore._reject_add_in_shutdown: finished at once with finish_reason "abort"
-            self.shutdown_abort(req)
 
     def _reject(self, reason: str) -> None:
         self.counters.rejected += 1
@@ -195,6 +193,9 @@ class Engine:
         """The client went away: free everything the request holds (counted as finished_reason=abort)."""
         if req.status in ("waiting", "loading", "running"):
             self._finish(req, "abort", self.clock())
+        elif req.status == "killed":  # its engine is gone; only the client's hang-up ends the stream
+            req.status, req.finish_reason = "finished", "abort"
+            req.wake.set()
 
     def shutdown_abort(self, req: SimRequest) -> None:
         """The replica is shutting down (SIGTERM with --shutdown-timeout 0, or a request arriving while it
@@ -204,9 +205,19 @@ class Engine:
             self._finish(req, "abort", self.clock())
 
     def kill(self, req: SimRequest) -> None:
-        """The drain timed out and the engine process is killed: the request fails as on an engine death."""
-        if req.status in ("waiting", "loading", "running"):
-            self._finish(req, "error", self.clock())
+        """The drain timed out and vLLM killed the engine process: the request makes no more progress and nothing
+        tells its stream, which stays open and silent until the client hangs up."""
+        if req.status == "running":
+            self.running.remove(req)
+        elif req.status == "waiting":
+            self.waiting.remove(req)
+        elif req.status == "loading":
+            self.loading.remove(req)
+        else:
+            return
+        self.kv.free(req.blocks)
+        req.blocks = []
+        req.status = "killed"
 
     @property
     def in_flight(self) -> list[SimRequest]:

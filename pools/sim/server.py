@@ -90,6 +90,7 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         await self._app.drain(self._shutdown_timeout)
         await asyncio.sleep(0.05)  # let the streams write their last chunks
+        self.config.timeout_graceful_shutdown = None  # as vLLM: wait for every open connection to be closed
         self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:

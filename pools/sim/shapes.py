@@ -253,8 +253,8 @@ class ChatShape:
         """The delta that output token `index` produces, or None when the parsers hold it back."""
         plan = (choice or gen.choices[0]).plan
         kind, text = plan.piece(index)
-        if kind == "content":
-            return {"content": text}
+        if kind == "content":  # with reasoning hidden, the parser sets reasoning=None explicitly on every delta
+            return {"content": text} if gen.include_reasoning else {"content": text, "reasoning": None}
         if kind == "reasoning":
             return {"content": None, "reasoning": text} if gen.include_reasoning else None
         call = plan.tool_call
@@ -269,7 +269,7 @@ class ChatShape:
             tc = {"id": call.call_id, "type": "function", "index": 0, "function": {"name": call.name}}
         if args:
             tc["function"]["arguments"] = call.arguments
-        return {"tool_calls": [tc]}
+        return {"tool_calls": [tc]} if gen.include_reasoning else {"reasoning": None, "tool_calls": [tc]}
 
     @staticmethod
     def _logprobs_k(gen: Generation) -> int | None:

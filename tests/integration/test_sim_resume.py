@@ -121,6 +121,7 @@ def test_return_token_ids_shapes_match_vllm(pair) -> None:  # type: ignore[no-un
     assert plain[0]["prompt_token_ids"] is None and all(c["choices"][0]["token_ids"] is None for c in plain[1:])
     hidden = events(a.url, "/v1/chat/completions", {**chat, "include_reasoning": False})
     assert all(c["choices"][0].get("token_ids") is None for c in hidden[1:])
+    assert all(c["choices"][0]["delta"]["reasoning"] is None for c in hidden[1:] if c["choices"][0]["delta"])
 
     unary = httpx.post(a.url + "/v1/chat/completions", json=chat, timeout=10).json()
     assert unary["prompt_token_ids"] == role["prompt_token_ids"]
