@@ -451,17 +451,24 @@ class SimApp:
         return Generation(response_id=response_id, created=int(time.time()), model=model, choices=choices,
                           system_fingerprint=self.fingerprint, stream=stream, **fields)
 
-    def _continuation(self, prompt: Prompt, min_tokens: int) -> tuple[int, int, dict[str, Any]] | None:
+    def _continuation(self, prompt: Prompt, min_tokens: int,
+                      tools_given: Any = None) -> tuple[int, int, dict[str, Any]] | None:
         """A greedy token-id prompt that ends in tokens this model generated (a stream resumed elsewhere): (how
         many, the fingerprint of the prompt they answered, the plan inputs of that answer). The plan inputs are
-        read from the answer's first token and from the prompt itself (its tools), as a model reads its context."""
+        read from the answer's first token and from the prompt itself (its tools), as a model reads its context.
+        The built-in tokenizer can only read ids of text this replica has tokenized, so the request's own `tools`
+        field, which vLLM ignores on /v1/completions, stands in for them when given."""
         ids = prompt.tokens.ids()
         found = find_answer(ids)
         if found is None:
             return None
         start, flags = found
         origin = ids[:start]
-        tools = tools_in_prompt(self.tokenizer.decode(origin)) if flags >> 3 & 1 else None
+        tools = None
+        if flags >> 3 & 1:
+            given = tools_given if isinstance(tools_given, list) and all(isinstance(t, dict) for t in tools_given) \
+                else None
+            tools = given or tools_in_prompt(self.tokenizer.decode(origin))
         done = len(ids) - start
         return done, ids_fingerprint(origin), {**plan_inputs(flags, tools), "min_tokens": min_tokens + done}
 
@@ -548,7 +555,8 @@ class SimApp:
         offset, fingerprint = 0, None
         if _greedy(req.temperature):
             prompt.greedy()
-            resumed = self._continuation(prompt, req.min_tokens) if not prompt.text_prompt else None
+            resumed = (self._continuation(prompt, req.min_tokens, (req.model_extra or {}).get("tools"))
+                       if not prompt.text_prompt else None)
             if resumed is not None:
                 offset, fingerprint, plan_kwargs = resumed
         gen = self._generation(

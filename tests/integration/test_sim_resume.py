@@ -107,6 +107,22 @@ def test_a_chat_tool_call_resumes_as_its_native_markup(pair) -> None:  # type: i
     assert raw.endswith("]<]minimax[>[</tool_call>") and f"<days>{args['days']}" in raw
 
 
+def test_a_tool_call_resumes_on_a_replica_that_never_saw_the_prompt_when_the_tools_come_along(pair) -> None:  # type: ignore[no-untyped-def]
+    """Without /tokenize there, the built-in tokenizer cannot read the tools back from ids; the `tools` field, which
+    vLLM's /v1/completions ignores, stands in for them."""
+    a, b = pair
+    tools = [{"type": "function", "function": {"name": "book_table", "parameters": {
+        "type": "object", "properties": {"guests": {"type": "integer"}, "place": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "a table for two in Rome, please"}]
+    body = {"model": MODEL, "messages": messages, "tools": tools, "tool_choice": "required", "max_tokens": 400,
+            "temperature": 0, "return_token_ids": True, "chat_template_kwargs": {"thinking_mode": "enabled"}}
+    prompt, ids, _ = stream_ids(events(a.url, "/v1/chat/completions", body))
+    _, without, _ = resume(b.url, prompt, ids[:2], 398)
+    assert "<tool_call>" not in without  # the tools could not be read: no tool call planned
+    rest, raw, finish = resume(b.url, prompt, ids[:2], 398, tools=tools)
+    assert rest == ids[2:] and finish == "stop" and raw.endswith("]<]minimax[>[</tool_call>")
+
+
 def test_return_token_ids_shapes_match_vllm(pair) -> None:  # type: ignore[no-untyped-def]
     a, _ = pair
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True,
