@@ -850,7 +850,7 @@ class GenerationResponse(Response):
         await wait_finished(self.gen)
         gen = self.gen
         if gen.client_gone or (gen.server_aborted and self.shape not in (ChatShape, CompletionShape)):
-            raise DropConnection()  # a shutdown abort: chat and completions answer 200, finish_reason "abort"
+            raise DropConnection()  # chat and completions cut by a shutdown answer 200, finish_reason "abort"
         if self.gen.failed:  # finish_reason "error" (a failed KV load): vLLM's GenerationError → 500
             error = ApiError(500, GENERATION_ERROR_MESSAGE, "InternalServerError").body()
             await send({"type": "http.response.start", "status": 500, "headers": [

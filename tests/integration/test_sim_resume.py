@@ -20,7 +20,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[SimProcess, SimProcess]]:
+def pair() -> Iterator[list[SimProcess]]:
     with running_sims([{"max_model_len": 8192, "extra_args": ["--instant"]},
                        {"max_model_len": 8192, "extra_args": ["--instant"]}]) as sims:
         yield sims
@@ -57,7 +57,7 @@ def resume(url: str, prompt: list[int], done: list[int], max_tokens: int,
     return ids, text, finish
 
 
-def test_a_completion_resumed_from_token_ids_on_another_replica_continues_exactly(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_completion_resumed_from_token_ids_on_another_replica_continues_exactly(pair: list[SimProcess]) -> None:
     a, b = pair
     body = {"model": MODEL, "prompt": "Write a story about ships.", "max_tokens": 40, "temperature": 0,
             "return_token_ids": True}
@@ -71,7 +71,7 @@ def test_a_completion_resumed_from_token_ids_on_another_replica_continues_exactl
         assert rest_text == "".join(pieces[j:])
 
 
-def test_a_chat_answer_with_reasoning_resumes_through_completions(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_chat_answer_with_reasoning_resumes_through_completions(pair: list[SimProcess]) -> None:
     a, b = pair
     body = {"model": MODEL, "messages": [{"role": "user", "content": "think, then answer"}], "max_tokens": 60,
             "ignore_eos": True, "temperature": 0, "return_token_ids": True,
@@ -88,7 +88,7 @@ def test_a_chat_answer_with_reasoning_resumes_through_completions(pair) -> None:
     assert marker and reasoning.endswith(head) and tail == content  # the raw text a reasoning parser splits
 
 
-def test_a_chat_tool_call_resumes_as_its_native_markup(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_chat_tool_call_resumes_as_its_native_markup(pair: list[SimProcess]) -> None:
     a, b = pair
     messages = [{"role": "user", "content": "weather in Paris?"}]
     body = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400,
@@ -107,7 +107,8 @@ def test_a_chat_tool_call_resumes_as_its_native_markup(pair) -> None:  # type: i
     assert raw.endswith("]<]minimax[>[</tool_call>") and f"<days>{args['days']}" in raw
 
 
-def test_a_tool_call_resumes_on_a_replica_that_never_saw_the_prompt_when_the_tools_come_along(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_tool_call_resumes_where_the_prompt_was_never_seen_when_the_tools_come_along(
+        pair: list[SimProcess]) -> None:
     """Without /tokenize there, the built-in tokenizer cannot read the tools back from ids; the `tools` field, which
     vLLM's /v1/completions ignores, stands in for them."""
     a, b = pair
@@ -123,7 +124,7 @@ def test_a_tool_call_resumes_on_a_replica_that_never_saw_the_prompt_when_the_too
     assert rest == ids[2:] and finish == "stop" and raw.endswith("]<]minimax[>[</tool_call>")
 
 
-def test_return_token_ids_shapes_match_vllm(pair) -> None:  # type: ignore[no-untyped-def]
+def test_return_token_ids_shapes_match_vllm(pair: list[SimProcess]) -> None:
     a, _ = pair
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True,
             "return_token_ids": True}
@@ -158,7 +159,8 @@ def sse_events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]
         return [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: ")]
 
 
-def test_messages_and_responses_answers_are_the_chat_answer_and_resume_the_same_way(pair) -> None:  # type: ignore[no-untyped-def]
+def test_messages_and_responses_answers_are_the_chat_answer_and_resume_the_same_way(
+        pair: list[SimProcess]) -> None:
     """vLLM serves both through its chat path; greedy, the sim gives the chat answer of the same conversation, so a
     gateway can resume them from the chat prompt's ids (/tokenize) plus the generated ids."""
     a, b = pair
