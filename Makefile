@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium dashboards-png chaos fuzz soak contract
+.PHONY: venv demo docs test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium haproxy dashboards-png chaos fuzz soak contract
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,12 +21,19 @@ demo: venv
 redis:
 	@scripts/ensure-redis.sh
 
-test: venv redis vllm-env prometheus chromium
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
-	$(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
+# The documentation site (docs/, mkdocs.yml) into site/. --strict: a broken link, a missing page or a stale
+# generated reference fails the build; `make test` runs it. Offline: the theme ships its assets.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
-test-fast: venv redis prometheus chromium
-	M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
+# Every tool a test runs is installed first; M3GATE_REQUIRE_TOOLS=1 makes a test whose tool is still missing FAIL
+# instead of skipping (tests/support/tools.py).
+test: venv docs redis vllm-env prometheus chromium haproxy
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
+
+test-fast: venv redis prometheus chromium haproxy
+	M3GATE_REQUIRE_TOOLS=1 M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
 
 # Prometheus + promtool (Debian package): the observability tests run a real one.
 prometheus:
@@ -35,6 +42,10 @@ prometheus:
 # Debian's chromium + chromedriver: the browser tests (tests/ui) drive /ui and the contract report headless.
 chromium:
 	@scripts/install-chromium.sh
+
+# Debian's haproxy: the compose test checks the stack's load balancer config with `haproxy -c`.
+haproxy:
+	@scripts/install-haproxy.sh
 
 # The operating contract of the compose deployment and its SLO rules (regenerated from deploy/compose/pools.yaml).
 contract: venv
@@ -52,7 +63,7 @@ schema: venv
 bench: venv
 	$(BIN)/python -m loadtests.bench_all --quick
 
-# Reliability suites, figures in deploy/RELIABILITY.md (short versions run in `make test`; -m "not soak" skips one).
+# Reliability suites, figures in docs/reliability.md (short versions run in `make test`; -m "not soak" skips one).
 # chaos: every failure scenario under load through two gateways sharing a private Redis (about 3 minutes);
 # fuzz: 10,000 hostile/malformed cases and connection attacks (about 6 minutes); soak: 30 minutes of mixed load.
 chaos: venv redis

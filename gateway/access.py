@@ -22,7 +22,7 @@ from policies.config import ApiKeyConfig
 OPEN_GATEWAY_WARNING = (
     "\n" + "!" * 100 + "\n"
     "!!  NO CLIENT API KEYS CONFIGURED: this gateway serves anyone who can reach it, without rate limits.\n"
-    "!!  Add access.keys (or access.keys_file) to require keys; see deploy/OPERATIONS.md.\n" + "!" * 100
+    "!!  Add access.keys (or access.keys_file) to require keys; see docs/operations.md.\n" + "!" * 100
 )
 
 

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from gateway.admin import admin_routes
 from gateway.coordinator import Coordinator
 from gateway.errors import error_response
+from gateway.history import History
 from gateway.reload import ConfigReloader
 from gateway.routes import generate_endpoints, routes
 from gateway.runtime import Gateway
@@ -35,10 +36,12 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
     gateway = Gateway(config, resolver=resolver)
     coordinator = Coordinator(gateway)
     reloader = ConfigReloader(gateway, config_path)
+    history = History(gateway)  # the status page's chart points, sampled while the app runs
 
     @asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         await gateway.start()
+        history.start()
         if config_path and config.admin.watch_config:
             reloader.start_watching()
         if config_path:
@@ -46,6 +49,7 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
         try:
             yield
         finally:
+            await history.stop()
             await reloader.stop()
             await gateway.stop()
 
@@ -54,6 +58,7 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
     app.state.gateway = gateway
     app.state.coordinator = coordinator
     app.state.reloader = reloader
+    app.state.history = history
     return app
 
 

@@ -139,7 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
-    return run_demo(port=args.port)
+    return run_demo(port=args.port, traffic=not args.no_traffic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start three simulated pools and the gateway; Ctrl-C stops all")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--no-traffic", action="store_true",
+                   help="do not send the demo's own sample workload (the status page then shows your requests only)")
     p.set_defaults(func=_cmd_demo)
 
     cfg = sub.add_parser("config", help="validate the pool config or print its JSON schema")

@@ -1,11 +1,14 @@
 """`m3gate demo`: three simulated pools and the gateway in one command, on loopback, with in-memory state.
 
 The pools are `m3gate sim` processes sized like the product's 32K interactive, 128K repository and 1M extended pools.
-Ctrl-C (or SIGTERM) stops the gateway and every simulator it started.
+Unless `--no-traffic`, the demo also sends its own light sample workload to the gateway (gateway/demo_workload.py)
+so that the status page is alive on first open. Ctrl-C (or SIGTERM) stops the traffic, the gateway and every
+simulator it started.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -13,8 +16,10 @@ import sys
 from typing import Any
 
 import uvicorn
+import uvloop
 
 from gateway.app import build_app
+from gateway.demo_workload import DemoTraffic
 from policies.config import GatewayConfig
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -46,11 +51,26 @@ def demo_config(endpoints: dict[str, list[str]], port: int) -> GatewayConfig:
                 for p in DEMO_POOLS
             ],
             "server": {"host": "127.0.0.1", "port": port},
+            # the deployment guide's three classes, with TPOT targets too so the page has both lines to hold
+            "traffic": {"classes": {
+                "interactive": {"priority": 0, "max_concurrency": 256, "queue_length": 512, "max_queue_wait_s": 10,
+                                "targets": {"ttft_ms": {"p95": 1000}, "tpot_ms": {"p95": 50}}},
+                "repository": {"priority": 1, "max_concurrency": 32, "queue_length": 256, "max_queue_wait_s": 60,
+                               "targets": {"ttft_ms": {"p95": 10000}, "tpot_ms": {"p95": 50}}},
+                "extended": {"priority": 2, "max_concurrency": 8, "queue_length": 64, "max_queue_wait_s": 120,
+                             "targets": {"ttft_ms": {"p95": 60000}, "tpot_ms": {"p95": 80}}},
+            }},
         }
     )
 
 
-def snippet(base_url: str) -> str:
+TRAFFIC_ON = ("Sample traffic: ON, a couple of requests a second of the demo's own (chats, a reasoning stream, an "
+              "agent session,\n    a repository-size prompt, a long document now and then); "
+              "`m3gate demo --no-traffic` for a quiet gateway.")
+TRAFFIC_OFF = "Sample traffic: OFF (--no-traffic): the status page shows your own requests only."
+
+
+def snippet(base_url: str, traffic: bool = True) -> str:
     return f"""
 m3gate demo is up: {base_url}   (three simulated pools: 32K interactive, 128K repository, 1M extended)
 
@@ -66,14 +86,35 @@ m3gate demo is up: {base_url}   (three simulated pools: 32K interactive, 128K re
     curl -s {base_url}/chat/completions -H 'content-type: application/json' \\
       -d '{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":8}}' -i
 
-Status page (live: pools, replicas, classes, latency, the latest requests' stages):
+Status page (live: pools, replicas, classes, latency, the latest requests' stages, 15 minutes of history):
     {base_url[:-3]}/ui
+
+{TRAFFIC_ON if traffic else TRAFFIC_OFF}
 
 Every response carries x-m3gate-pool and x-m3gate-endpoint. Ctrl-C stops everything.
 """
 
 
-def run_demo(port: int = 8080) -> int:
+async def _serve(server: uvicorn.Server, traffic: DemoTraffic | None) -> None:
+    """Run the gateway; once it listens, the sample traffic too, stopped as soon as the gateway starts to shut down
+    (so that no sample request holds the shutdown up)."""
+    serving = asyncio.ensure_future(server.serve())
+    sending: asyncio.Future[None] | None = None
+    try:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if traffic is not None and server.started:
+            sending = asyncio.ensure_future(traffic.run())
+        while not serving.done() and not server.should_exit:
+            await asyncio.wait({serving}, timeout=0.2)
+    finally:
+        if sending is not None:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+    await serving
+
+
+def run_demo(port: int = 8080, traffic: bool = True) -> int:
     from pools.sim.launcher import start_sim
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -81,6 +122,9 @@ def run_demo(port: int = 8080) -> int:
         print(f"port {port} is taken; run `m3gate demo --port N`", file=sys.stderr)
         return 2
     sims = []
+    sample: DemoTraffic | None = None
+    # SIGTERM as Ctrl-C, from the start: a stop while the simulators start still stops the ones already running
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for pool in DEMO_POOLS:
             sims.append(start_sim(pool["max_model_len"], model=MODEL, extra_args=pool["sim_args"]))
@@ -89,14 +133,18 @@ def run_demo(port: int = 8080) -> int:
         base_url = f"http://127.0.0.1:{port}/v1"
         for pool, sim in zip(DEMO_POOLS, sims, strict=True):
             print(f"  pool {pool['name']:<12} {pool['max_model_len']:>8} tokens  simulator pid {sim.pid} at {sim.url}")
-        print(snippet(base_url), flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        uvicorn.run(build_app(config), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
-                    log_level="warning", access_log=False)
+        print(snippet(base_url, traffic), flush=True)
+        server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=port, loop="none",
+                                               http="httptools", log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5))
+        sample = DemoTraffic(f"http://127.0.0.1:{port}", MODEL) if traffic else None
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_serve(server, sample))
     except KeyboardInterrupt:
         pass
     finally:
         for sim in sims:
             sim.stop()
-        print("m3gate demo stopped (gateway and simulators).", flush=True)
+        stopped = f"gateway, simulators and sample traffic: {sample.summary()}" if sample else "gateway and simulators"
+        print(f"m3gate demo stopped ({stopped}).", flush=True)
     return 0

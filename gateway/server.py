@@ -60,7 +60,8 @@ def serve_granian(app: object, host: str, port: int, head_timeout_s: float) -> N
     header_read_timeout, at most 60 s; hyper closes the connection without an answer where uvicorn's hardened
     protocol sends a 408), a head larger than granian's HTTP/1 buffer (417,792 bytes) is refused by hyper itself
     (smaller ones reach the app's own 431 check), and malformed requests get hyper's empty 400 rather than the
-    OpenAI-shaped one. Measured against uvicorn in README "Gateway overhead": an opt-in, not the default."""
+    OpenAI-shaped one. Measured against uvicorn in docs/performance.md, "Reference proxies and listeners": an opt-in,
+    not the default."""
     import signal
 
     import uvloop

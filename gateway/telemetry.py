@@ -11,7 +11,7 @@ start and end times taken from the record's timestamps, right before exporting i
 live, no lock is taken: a fully sampled streamed request costs ~12 µs of CPU to trace (4 spans; ~4 µs of it on the
 event loop), where the SDK's live-span API costs ~120 µs; a request that dies half-way leaves no open span behind.
 Exporting is dearer than building: the SDK's OTLP protobuf encoding of those 4 spans takes ~100 µs, so sample
-(deploy/OBSERVABILITY.md, "Cost"). An unsampled request only gets ids for its traceparent (flags 00).
+(docs/observability.md, "Cost"). An unsampled request only gets ids for its traceparent (flags 00).
 Stages that need no bar of their own are attributes, rare ones are events. With tracing off the hooks do nothing but
 the metrics.
 

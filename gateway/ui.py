@@ -1,20 +1,22 @@
 """The live status page: GET /ui (static HTML/JS/CSS from gateway/static/, no build step, nothing fetched from
-elsewhere) and GET /ui/state, the JSON it polls.
+elsewhere), GET /ui/state, the JSON it polls, and GET /ui/access, which tells the page whether it needs a key.
 
 /ui/state is guarded like /admin (the admin key as a bearer token; the page keeps it in sessionStorage, never in a
-URL); with `admin.ui_open_on_loopback` loopback clients need no key. It reads what the gateway already keeps: the
-pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config reload
-status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last minutes, from bucket
-deltas between this module's snapshots) and the latest requests' stages (gateway/recent.py).
+URL); with `admin.ui_open_on_loopback` loopback clients need no key. /ui/access answers everyone with a 200 (key
+needed? this key accepted?), so that the page never logs a refused request. /ui/state reads what the gateway already
+keeps: the pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config
+reload status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last five minutes,
+from bucket deltas against the history's oldest snapshot), the latest requests' stages (gateway/recent.py), the
+agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes newer than `?history_since=`
+(gateway/history.py).
 
-Nothing here runs unless the page polls: the snapshots are taken by the poll itself (at most one per
-SNAPSHOT_EVERY_S, the last WINDOW_S kept), and the recent-requests ring records only while polls keep coming.
+Apart from the history's sampler (one sample every 5 s), nothing here runs unless the page polls; the
+recent-requests ring records only while polls keep coming.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from importlib import resources
 from typing import Any
 
@@ -23,12 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin import LOOPBACK, check_admin, replica_view
+from gateway.errors import error_response
+from gateway.history import History, class_counts, delta
 from gateway.runtime import Gateway
 from policies.contract import histogram_quantile
 from policies.traffic import pool_class
 
-WINDOW_S = 300.0  # latency percentiles and rates over the last five minutes (or since the page opened)
-SNAPSHOT_EVERY_S = 5.0
 STATIC = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
 _SECURITY_HEADERS = {
     "cache-control": "no-store",
@@ -39,19 +41,10 @@ _SECURITY_HEADERS = {
 }
 
 
-class _Snapshot:
-    __slots__ = ("t", "classes")
-
-    def __init__(self, t: float, classes: dict[str, dict[str, list[float]]]) -> None:
-        self.t = t
-        self.classes = classes  # class → kind (ttft, tpot, e2e, r429, requests) → counts
-
-
 class UiState:
-    """The page's memory between polls: histogram snapshots (a bounded deque), nothing else."""
+    """The page's static files, read once."""
 
     def __init__(self) -> None:
-        self.snapshots: deque[_Snapshot] = deque(maxlen=int(WINDOW_S / SNAPSHOT_EVERY_S) + 2)
         self._static: dict[str, bytes] = {}
 
     def static(self, name: str) -> bytes:
@@ -61,65 +54,30 @@ class UiState:
         return data
 
 
-def _class_counts(gw: Gateway) -> dict[str, dict[str, list[float]]] | None:
-    """Per class, the gateway's histograms summed over pools, APIs and thinking modes (bucket counts + sum), and
-    the request counters the page turns into rates."""
-    metrics = gw.telemetry.metrics
-    if metrics is None:
-        return None
-    req = metrics.requests
-    out: dict[str, dict[str, list[float]]] = {}
-
-    def add(kind: str, cls: str, series: list[float]) -> None:
-        into = out.setdefault(cls, {}).get(kind)
-        if into is None:
-            out[cls][kind] = list(series)
-        else:
-            for i, v in enumerate(series):
-                into[i] += v
-
-    for key, series in list(req.ttft.series.items()):  # (api, pool, class, thinking_mode)
-        add("ttft", key[2], series)
-    for key, series in list(req.e2e.series.items()):
-        add("e2e", key[2], series)
-    for key, series in list(req.tpot.series.items()):  # (pool, class, thinking_mode)
-        add("tpot", key[1], series)
-    for key, value in list(req.requests.values.items()):  # (api, pool, class, thinking_mode, status)
-        add("requests", key[2], [value])
-        if key[4] == "429":
-            add("r429", key[2], [value])
-    return out
-
-
-def _latency(gw: Gateway, ui: UiState, now: float) -> dict[str, Any]:
-    counts = _class_counts(gw)
+def _latency(gw: Gateway, history: History | None, now: float) -> dict[str, Any]:
+    """Per class, latency percentiles and rates from now back to the history's oldest snapshot (at most five
+    minutes old; since the gateway started before the first)."""
+    counts = class_counts(gw)
     if counts is None:
         return {"enabled": False}
-    snaps = ui.snapshots
-    if not snaps or now - snaps[-1].t >= SNAPSHOT_EVERY_S:
-        snaps.append(_Snapshot(now, counts))
-    while len(snaps) > 1 and now - snaps[1].t >= WINDOW_S:
-        snaps.popleft()  # keep the newest snapshot at least WINDOW_S old as the baseline
-    base = snaps[0] if snaps and snaps[0].t < now else None
-    window_s = (now - base.t) if base is not None else None
+    base = history.baseline(now) if history is not None else None
+    window_s = (now - base[0]) if base is not None else None
     req = gw.telemetry.metrics.requests  # type: ignore[union-attr]
     bounds = {"ttft": req.ttft.bounds, "tpot": req.tpot.bounds, "e2e": req.e2e.bounds}
     classes: dict[str, Any] = {}
     for cls, kinds in counts.items():
-        before = base.classes.get(cls, {}) if base is not None else {}
+        before = base[1].get(cls, {}) if base is not None else {}
         row: dict[str, Any] = {}
         for kind in ("ttft", "tpot", "e2e"):
-            now_counts = kinds.get(kind)
-            if now_counts is None:
+            if kind not in kinds:
                 continue
-            old = before.get(kind)
-            delta = [a - b for a, b in zip(now_counts, old)] if old is not None else now_counts
-            n = int(round(sum(delta[:-1])))
-            row[kind] = {"n": n, **{f"p{p}_ms": _ms(histogram_quantile(p / 100, bounds[kind], delta))
+            counted = delta(kinds[kind], before.get(kind))
+            n = int(round(sum(counted[:-1])))
+            row[kind] = {"n": n, **{f"p{p}_ms": _ms(histogram_quantile(p / 100, bounds[kind], counted))
                                      for p in (50, 95, 99)}}
         for kind in ("requests", "r429"):
             total = kinds.get(kind, [0.0])[0]
-            old_total = before.get(kind, [0.0])[0] if base is not None else 0.0
+            old_total = before.get(kind, [0.0])[0]
             row[f"{kind}_total"] = int(total)
             row[f"{kind}_per_s"] = round((total - old_total) / window_s, 3) if window_s else None
         routed = sum(kinds["e2e"][:-1]) if "e2e" in kinds else 0.0  # sent to a replica: admitted
@@ -198,7 +156,20 @@ def _classes(gw: Gateway) -> list[dict[str, Any]]:
     return out
 
 
-def state(gw: Gateway, ui: UiState, reloader: Any) -> dict[str, Any]:
+def _sessions(gw: Gateway) -> dict[str, Any] | None:
+    """The agent-sessions panel's data (what GET /admin/sessions answers, the latest 30, without the per-turn
+    detail the panel does not show), in the same poll."""
+    if gw.sessions is None:
+        return None
+    view = gw.sessions.view(30)
+    for sessions in view.values():
+        for session in sessions:
+            session.pop("recent_turns", None)
+    return {**view, "open_sessions": len(gw.sessions.store)}
+
+
+def state(gw: Gateway, reloader: Any, history: History | None = None,
+          history_since: float | None = None) -> dict[str, Any]:
     now = gw.clock()
     wall = time.time()
     gw.recent.watched(now)
@@ -208,9 +179,12 @@ def state(gw: Gateway, ui: UiState, reloader: Any) -> dict[str, Any]:
         "health_interval_s": gw.config.server.health_interval_s,
         "pools": _pools(gw, now),
         "classes": _classes(gw),
-        "latency": _latency(gw, ui, now),
+        "latency": _latency(gw, history, now),
         "recent": gw.recent.view(now, wall),
         "reload": reloader.status.as_json() if reloader is not None else None,
+        "sessions": _sessions(gw),
+        "sessions_api": gw.sessions is not None,  # GET /admin/sessions answers (else 404)
+        "history": history.view(history_since) if history is not None else None,
     }
 
 
@@ -231,6 +205,11 @@ def _disabled(request: Request) -> Response | None:
     return None
 
 
+def _open_without_key(request: Request) -> bool:
+    admin = request.app.state.gateway.config.admin
+    return admin.ui_open_on_loopback and request.client is not None and request.client.host in LOOPBACK
+
+
 async def page(request: Request) -> Response:
     """The page itself holds no data: it is served to anyone who may reach /ui; its data needs the admin key."""
     if (off := _disabled(request)) is not None:
@@ -248,18 +227,41 @@ async def asset(request: Request) -> Response:
     return Response(_ui_state_of(request).static(name), media_type=STATIC[name], headers=_SECURITY_HEADERS)
 
 
+async def access(request: Request) -> Response:
+    """GET /ui/access, open to anyone who may load the page: whether this client needs the admin key for /ui/state
+    and whether the key it sends (if any) is accepted, always with a 200. The page asks here before its first poll
+    and when a key is typed in, so a normal visit never meets a 401 or 403 (which browsers log as errors)."""
+    if (off := _disabled(request)) is not None:
+        return off
+    admin = request.app.state.gateway.config.admin
+    if _open_without_key(request):
+        body: dict[str, Any] = {"key_needed": False, "allowed": True, "message": None}
+    else:
+        refused = check_admin(request)
+        if admin.api_key is None:  # loopback only, no key can open it
+            body = {"key_needed": False, "allowed": refused is None,
+                    "message": None if refused is None else "The status page answers loopback clients only until "
+                    "admin.api_key is set."}
+        else:
+            sent = bool(request.headers.get("authorization"))
+            body = {"key_needed": True, "allowed": refused is None,
+                    "message": "That is not the admin key." if sent and refused is not None else None}
+    return JSONResponse(body, headers={"cache-control": "no-store"})
+
+
 async def ui_state(request: Request) -> Response:
     if (off := _disabled(request)) is not None:
         return off
     gw: Gateway = request.app.state.gateway
-    admin = gw.config.admin
-    open_here = admin.ui_open_on_loopback and request.client is not None and request.client.host in LOOPBACK
-    if not open_here and (denied := check_admin(request)) is not None:
+    if not _open_without_key(request) and (denied := check_admin(request)) is not None:
         return denied
-    body = state(gw, _ui_state_of(request), getattr(request.app.state, "reloader", None))
-    # The agent-sessions panel reads GET /admin/sessions while sessions are tracked (asked here, so that the page
-    # never requests a path that answers 404: a browser logs that as an error).
-    body["sessions_api"] = gw.sessions is not None
+    raw_since = request.query_params.get("history_since")
+    try:
+        since = float(raw_since) if raw_since else None
+    except ValueError:
+        return error_response(400, "`history_since` must be a time in seconds since the epoch (the newest point's "
+                              "`t` the page has).", param="history_since", code="invalid_value")
+    body = state(gw, getattr(request.app.state, "reloader", None), getattr(request.app.state, "history", None), since)
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
 
@@ -267,6 +269,7 @@ def ui_routes() -> list[Route]:
     return [
         Route("/ui", page, methods=["GET"]),
         Route("/ui/", page, methods=["GET"]),
+        Route("/ui/access", access, methods=["GET"]),
         Route("/ui/state", ui_state, methods=["GET"]),
         Route("/ui/static/{name}", asset, methods=["GET"]),
     ]

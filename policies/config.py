@@ -230,12 +230,12 @@ class PoolConfig(_Strict):
         default=None, description="Precise prefix routing from the replicas' KV events (prefix_affinity only).",
     )
     disaggregation: DisaggregationConfig | None = Field(
-        default=None, description="Prefill and decode replicas instead of `endpoints`/`discovery` (deploy/README.md, "
+        default=None, description="Prefill and decode replicas instead of `endpoints`/`discovery` (docs/deployment.md, "
         "\"Disaggregated prefill/decode\").",
     )
     capacity: PoolCapacityConfig = Field(
         default_factory=PoolCapacityConfig, description="Bounds on the replicas the capacity signal asks for "
-        "(deploy/README.md, \"Autoscaling\").",
+        "(docs/deployment.md, \"Autoscaling\").",
     )
 
     @field_validator("endpoints")
@@ -333,7 +333,7 @@ class ServerConfig(_Strict):
     listener: Literal["uvicorn", "granian"] = Field(
         default="uvicorn",
         description="The HTTP server in front of the app: uvicorn (uvloop + httptools, hardened) or granian (Rust, "
-                    "hyper; experimental, see README Performance). Read at start; the M3GATE_LISTENER environment "
+                    "hyper; experimental, see docs/performance.md). Read at start; the M3GATE_LISTENER environment "
                     "variable overrides it.",
     )
 
@@ -420,7 +420,7 @@ class TelemetryConfig(_Strict):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Traffic control: classes and admission (gateway/admission.py), API keys and rate limits (gateway/access.py,
-# pools/rate_limit.py), input limits. Documented with examples in deploy/OPERATIONS.md.
+# pools/rate_limit.py), input limits. Documented with examples in docs/operations.md.
 
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 

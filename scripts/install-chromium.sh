@@ -19,9 +19,9 @@ flock 9
 have && exit 0
 
 export DEBIAN_FRONTEND=noninteractive
-install() { $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver >>"$LOG" 2>&1; }
+install() { $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium chromium-driver >>"$LOG" 2>&1; }
 # Update the package lists once, only when the install cannot find the packages with the lists already there.
-install || { $SUDO apt-get update -qq >>"$LOG" 2>&1 || fail "apt-get update failed"; install; } \
+install || { $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq >>"$LOG" 2>&1 || fail "apt-get update failed"; install; } \
   || fail "apt-get install chromium chromium-driver failed"
 have || fail "chromium/chromedriver still missing after the install"
 rm -f "$LOG"

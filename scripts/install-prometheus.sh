@@ -28,7 +28,7 @@ fi
 cleanup() { [[ -n "$ADDED_POLICY" ]] && $SUDO rm -f "$POLICY"; true; }
 trap cleanup EXIT
 
-$SUDO apt-get update -qq >>"$LOG" 2>&1 || fail "apt-get update failed"
-$SUDO apt-get install -y -qq --no-install-recommends prometheus >>"$LOG" 2>&1 || fail "apt-get install prometheus failed"
+$SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq >>"$LOG" 2>&1 || fail "apt-get update failed"
+$SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends prometheus >>"$LOG" 2>&1 || fail "apt-get install prometheus failed"
 have || fail "prometheus/promtool still missing after the install"
 rm -f "$LOG"

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pools.sim.behaviour import check_tools, plan_output
+from pools.sim.behaviour import check_tools, find_answer, plan_inputs, plan_output, tools_in_prompt
 from pools.sim.disagg import NixlConnector
 from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
 from pools.sim.faults import FaultUpdate, Faults
@@ -119,6 +120,19 @@ class Prompt:
     hashes: list[int]
     fingerprint: int
     text_prompt: bool = True  # False when the client sent token ids (exact over-length message)
+
+    def greedy(self) -> None:
+        """Temperature 0: the answer is a function of the token ids (not the text), as a greedy model's is, so a
+        text prompt and the same prompt sent as ids get the same answer."""
+        self.fingerprint = ids_fingerprint(self.tokens.ids())
+
+
+def ids_fingerprint(ids: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(array("q", ids).tobytes())
+
+
+def _greedy(temperature: float | None) -> bool:
+    return temperature is not None and temperature < 1e-5  # vLLM's _SAMPLING_EPS
 
 
 class SimApp:
@@ -378,6 +392,8 @@ class SimApp:
 
     async def _pre_generate(self) -> None:
         """Faults that strike before any work: added latency, hangs, injected 500s."""
+        if self.engine.draining:
+            raise shutting_down()
         faults = self.faults.current
         if faults.added_latency_ms > 0:
             await asyncio.sleep(faults.added_latency_ms / 1000)
@@ -403,7 +419,8 @@ class SimApp:
 
     def _generation(self, *, arrival: float, response_id: str, model: str, prompt: Prompt, max_tokens: int,
                     stream: bool, plan_kwargs: dict[str, Any], n: int = 1,
-                    kv_transfer: dict[str, Any] | None = None, **fields: Any) -> Generation:
+                    kv_transfer: dict[str, Any] | None = None, offset: int = 0, fingerprint: int | None = None,
+                    **fields: Any) -> Generation:
         """Plan and submit the request's `n` samples. Like vLLM's parallel sampling, each is its own engine request
         (`{i}_{id}` when n > 1); they share one wake-up event so a stream follows all of them."""
         s = self.settings
@@ -411,14 +428,15 @@ class SimApp:
         group = RequestGroup(n=n, remaining=n) if n > 1 else None
         choices: list[Choice] = []
         for i in range(n):
-            fingerprint = prompt.fingerprint if i == 0 else xxhash.xxh3_64_intdigest(
-                f"{prompt.fingerprint}:{i}".encode())
-            plan = plan_output(seed=s.seed, fingerprint=fingerprint, max_tokens=max_tokens,
+            base = prompt.fingerprint if fingerprint is None else fingerprint
+            sample = base if i == 0 else xxhash.xxh3_64_intdigest(f"{base}:{i}".encode())
+            plan = plan_output(seed=s.seed, fingerprint=sample, max_tokens=max_tokens + offset,
                                mean_output_tokens=s.mean_output_tokens, tool_call_probability=s.tool_call_probability,
                                adaptive_thinking_probability=s.adaptive_thinking_probability, **plan_kwargs)
             sim = SimRequest(request_id=response_id if n == 1 else f"{i}_{response_id}",
                              prompt_tokens=prompt.tokens.count, block_hashes=prompt.hashes,
-                             output_tokens=plan.total_tokens, natural_finish=plan.engine_finish, max_tokens=max_tokens,
+                             output_tokens=max(1, plan.total_tokens - offset), natural_finish=plan.engine_finish,
+                             max_tokens=max_tokens,
                              arrival=arrival, group=group, wake=wake,
                              trace_parent=parse_traceparent(TRACEPARENT.get()) if self.tracer is not None else None)
             if self.kv_connector is not None:
@@ -429,9 +447,34 @@ class SimApp:
                 for submitted in choices:
                     self.engine.abort(submitted.sim)
                 raise ApiError(503, str(exc), "Service Unavailable") from None
-            choices.append(Choice(i, sim, plan))
+            choices.append(Choice(i, sim, plan, offset))
         return Generation(response_id=response_id, created=int(time.time()), model=model, choices=choices,
                           system_fingerprint=self.fingerprint, stream=stream, **fields)
+
+    def _continuation(self, prompt: Prompt, min_tokens: int,
+                      tools_given: Any = None) -> tuple[int, int, dict[str, Any]] | None:
+        """A greedy token-id prompt that ends in tokens this model generated (a stream resumed elsewhere): (how
+        many, the fingerprint of the prompt they answered, the plan inputs of that answer). The plan inputs are
+        read from the answer's first token and from the prompt itself (its tools), as a model reads its context.
+        The built-in tokenizer can only read ids of text this replica has tokenized, so the request's own `tools`
+        field, which vLLM ignores on /v1/completions, stands in for them when given."""
+        ids = prompt.tokens.ids()
+        found = find_answer(ids)
+        if found is None:
+            return None
+        start, flags = found
+        origin = ids[:start]
+        tools = None
+        if flags >> 3 & 1:
+            given = tools_given if isinstance(tools_given, list) and all(isinstance(t, dict) for t in tools_given) \
+                else None
+            tools = given or tools_in_prompt(self.tokenizer.decode(origin))
+        done = len(ids) - start
+        return done, ids_fingerprint(origin), {**plan_inputs(flags, tools), "min_tokens": min_tokens + done}
+
+    @staticmethod
+    def _token_ids(wanted: bool | None, prompt: Prompt) -> dict[str, Any]:
+        return {"return_token_ids": True, "prompt_ids": prompt.tokens.ids()} if wanted else {}
 
     def _respond(self, gen: Generation, shape: Any) -> Response:
         fixed = self.faults.current.drop_after_chunks
@@ -461,6 +504,10 @@ class SimApp:
         max_tokens = self._max_tokens(n, requested)
         check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
         tools = req.tools if req.tool_choice != "none" else None
+        if _greedy(req.temperature):
+            prompt.greedy()
+            if req.tools and isinstance(self.tokenizer, ByteChunkTokenizer):
+                self.tokenizer.learn(prompt.tokens)  # so a continuation sent here as ids can read the tools
         mm_tokens: dict[str, int] = {}
         for item in media:
             mm_tokens[item.kind] = mm_tokens.get(item.kind, 0) + self._media_tokens(item.kind)
@@ -474,7 +521,7 @@ class SimApp:
             continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
             role="assistant" if req.add_generation_prompt else str(last_role or "assistant"),
             cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0,
-            multimodal_tokens=mm_tokens or None)
+            multimodal_tokens=mm_tokens or None, **self._token_ids(req.return_token_ids, prompt))
         if tools:
             gen.tool_parsing = "chat_completions"
         return self._respond(gen, ChatShape)
@@ -504,10 +551,19 @@ class SimApp:
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_tokens)
         check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
+        plan_kwargs: dict[str, Any] = {"chat": False, "min_tokens": req.min_tokens}
+        offset, fingerprint = 0, None
+        if _greedy(req.temperature):
+            prompt.greedy()
+            resumed = (self._continuation(prompt, req.min_tokens, (req.model_extra or {}).get("tools"))
+                       if not prompt.text_prompt else None)
+            if resumed is not None:
+                offset, fingerprint, plan_kwargs = resumed
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, req.request_id, "cmpl-"), model=model,
             prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices, kv_transfer=kv_transfer,
-            plan_kwargs={"chat": False, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
+            offset=offset, fingerprint=fingerprint, **self._token_ids(req.return_token_ids, prompt),
+            plan_kwargs={**plan_kwargs, "ignore_eos": req.ignore_eos},
             include_usage=req.include_usage, continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
             echo_prompt=(p if isinstance(p, str) else self.tokenizer.decode(list(p))) if req.echo else None)
         return self._respond(gen, CompletionShape)
@@ -530,6 +586,8 @@ class SimApp:
         self._check_max_tokens(req.max_output_tokens, "max_output_tokens")
         text = self._render_chat(messages, tools, True, False, kwargs, media_out=[])
         prompt = await self._prepare(text, add_special_tokens=False, salt=extra.get("cache_salt"))
+        if _greedy(req.temperature):
+            prompt.greedy()
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_output_tokens)
         self._check_output_budget(max_tokens)
@@ -561,6 +619,8 @@ class SimApp:
         text = self._render_chat(messages, tools, True, False, {"thinking_mode": mode} if mode else {},
                                  media_out=[])
         prompt = await self._prepare(text, add_special_tokens=False, salt=None)
+        if _greedy((req.model_extra or {}).get("temperature")):
+            prompt.greedy()
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_tokens)
         self._check_output_budget(max_tokens)
@@ -588,6 +648,8 @@ class SimApp:
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
+        if self.engine.draining:
+            raise shutting_down()
         if isinstance(body, dict) and "messages" in body:
             precheck_tokenize_chat(body)
             chat: TokenizeChatRequest = validate(TokenizeChatRequest, body)
@@ -632,6 +694,29 @@ class SimApp:
         e = self.engine
         return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage, deferred=len(e.loading)),
                         media_type=CONTENT_TYPE)
+
+    # ---- shutdown (SIGTERM) -----------------------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> None:
+        """vLLM's SIGTERM handling with --shutdown-timeout N (observed on vLLM 0.32): its frontend shuts its
+        renderer down first, so every new generate or /tokenize request fails with a 500 while the server still
+        listens and /health still answers 200 (the engine lives). With N = 0 the requests in flight are aborted at
+        once (their streams end with finish_reason "abort") and the server stops listening; otherwise they run
+        until done or until N seconds have passed, when the engine is killed: what is left gets no more tokens and
+        no error, its stream stays open and silent until the client hangs up. Returns when nothing runs."""
+        engine = self.engine
+        engine.draining = True
+        if timeout_s <= 0:
+            if self.listener is not None:
+                self.listener.pause()
+            for req in engine.in_flight:
+                engine.shutdown_abort(req)
+            return
+        deadline = engine.clock() + timeout_s
+        while engine.in_flight and engine.clock() < deadline:
+            await asyncio.sleep(0.01)
+        for req in engine.in_flight:
+            engine.kill(req)
 
     # ---- /sim admin ------------------------------------------------------------------------------------------
 
@@ -756,14 +841,16 @@ class GenerationResponse(Response):
             sent += 1
             if self.drop_after is not None and sent >= self.drop_after:
                 raise self._drop()
-        if self.gen.aborted:
-            raise DropConnection()
+        gen = self.gen
+        if gen.client_gone or (gen.server_aborted and self.shape not in (ChatShape, CompletionShape)):
+            raise DropConnection()  # Responses/Messages streams cut by a shutdown end with the connection
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _unary(self, send: Send) -> None:
         await wait_finished(self.gen)
-        if self.gen.aborted:
-            raise DropConnection()
+        gen = self.gen
+        if gen.client_gone or (gen.server_aborted and self.shape not in (ChatShape, CompletionShape)):
+            raise DropConnection()  # chat and completions cut by a shutdown answer 200, finish_reason "abort"
         if self.gen.failed:  # finish_reason "error" (a failed KV load): vLLM's GenerationError → 500
             error = ApiError(500, GENERATION_ERROR_MESSAGE, "InternalServerError").body()
             await send({"type": "http.response.start", "status": 500, "headers": [
@@ -790,6 +877,11 @@ class HangResponse(Response):
         while (await receive())["type"] != "http.disconnect":
             pass
         raise DropConnection()
+
+
+def shutting_down() -> ApiError:
+    """What vLLM 0.32 answers a request that arrives after SIGTERM: its renderer's executor is already shut down."""
+    return ApiError(500, "cannot schedule new futures after shutdown", "InternalServerError")
 
 
 def _event_publisher(settings: SimSettings) -> SimEventPublisher | None:

@@ -19,6 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from pools.sim.protocol import request_validation_error
+from pools.sim.tokenizer import TEXT_VOCAB_SIZE
+
+# Output vocabulary (the top of the tokenizer's, which prompt text never maps into): an answer's first token id
+# carries the request's plan flags (what a completions request continuing the answer cannot see: chat or not,
+# thinking mode, tool_choice), every later token id its index. So a context that ends in generated tokens tells
+# where its prompt ends, and a greedy answer is a function of the context alone (see `find_answer`).
+FIRST_TOKEN_BASE = TEXT_VOCAB_SIZE
+ANSWER_TOKEN_BASE = TEXT_VOCAB_SIZE + 4096
+ANSWER_BAND = 65536
+THINK_START = "<mm:think>"
+THINK_END = "</mm:think>"
+_THINKING_CODES = {"enabled": 1, "disabled": 2}
+_CHOICE_CODES = {"required": 1, "none": 3}
 
 TOOL_TAG = "]<]minimax[>["
 
@@ -36,6 +49,7 @@ class ToolCallPlan:
     name: str
     arguments: str  # JSON text, as it appears in tool_calls[].function.arguments
     tokens: int  # output tokens the native tool-call markup takes
+    markup: str = ""  # the native markup itself: the raw text of those tokens (completions show it)
 
     @property
     def header_at(self) -> int:
@@ -50,6 +64,8 @@ class OutputPlan:
     tool_call: ToolCallPlan | None
     finish_reason: str  # when every planned token is out: "stop" | "length" | "tool_calls"
     word_offset: int  # where in the word lists this answer starts (varies the text between prompts)
+    flags: int = 0  # plan flags carried by the first token id (`plan_flags`)
+    opens_thinking: bool = False  # the raw text opens reasoning with <mm:think> (the template did not)
 
     @property
     def total_tokens(self) -> int:
@@ -68,6 +84,27 @@ class OutputPlan:
         if index < self.content_tokens:
             return "content", CONTENT_WORDS[(self.word_offset + index) % len(CONTENT_WORDS)]
         return "tool", ""
+
+    def token_id(self, index: int) -> int:
+        """The id of output token `index` (see FIRST_TOKEN_BASE)."""
+        return FIRST_TOKEN_BASE + self.flags if index == 0 else ANSWER_TOKEN_BASE + index % ANSWER_BAND
+
+    def raw_piece(self, index: int) -> str:
+        """What the model itself writes for token `index`, before any reasoning or tool parser: reasoning inside
+        <mm:think>…</mm:think>, the tool call as native markup. Completions show this text."""
+        kind, text = self.piece(index)
+        if kind == "reasoning":
+            if index == 0 and self.opens_thinking:
+                text = THINK_START + text
+            if index == self.reasoning_tokens - 1 and index < self.total_tokens - 1:
+                text += THINK_END
+            return text
+        if kind == "tool" and self.tool_call is not None:
+            call = self.tool_call
+            j = index - self.reasoning_tokens - self.content_tokens
+            size = -(-len(call.markup) // call.tokens)
+            return call.markup[j * size:(j + 1) * size]
+        return text
 
     def text(self, kind: str, upto: int | None = None) -> str:
         """All reasoning or content text of the first `upto` tokens (all when None)."""
@@ -98,7 +135,7 @@ def _value_for(schema: dict[str, Any], rng: random.Random) -> Any:
 
 def _arguments_for(schema: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     props = schema.get("properties") or {}
-    required = schema.get("required") or list(props)
+    required = schema.get("required") or sorted(props)  # sorted: the order survives rendering (sort_keys)
     return {name: _value_for(props.get(name, {}), rng) for name in required}
 
 
@@ -145,6 +182,62 @@ def named_tool(tool_choice: Any) -> str | None:
     return None
 
 
+def plan_flags(*, chat: bool, thinking_mode: str | None, tools: list[dict[str, Any]] | None,
+               tool_choice: Any) -> int:
+    """What the answer's first token id records of the request: chat (bit 0), thinking mode (bits 1-2), tools
+    offered (bit 3), tool_choice auto/required/named/none (bits 4-5) and the named tool's index (bits 6-11)."""
+    flags = int(chat) | _THINKING_CODES.get(thinking_mode or "", 0) << 1 | int(bool(tools)) << 3
+    forced = named_tool(tool_choice)
+    if forced is not None:
+        index = next((i for i, t in enumerate(tools or ()) if _tool_name(t) == forced), 0)
+        flags |= 2 << 4 | (index & 63) << 6
+    elif isinstance(tool_choice, str):
+        flags |= _CHOICE_CODES.get(tool_choice, 0) << 4
+    return flags
+
+
+def plan_inputs(flags: int, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """`plan_output` arguments recorded in `flags`; `tools` are the ones the prompt offers (read from it)."""
+    thinking = {v: k for k, v in _THINKING_CODES.items()}.get(flags >> 1 & 3)
+    offered = tools if flags >> 3 & 1 else None
+    code = flags >> 4 & 3
+    choice: Any = {0: None, 1: "required", 3: "none"}.get(code)
+    if code == 2 and offered:
+        index = min(flags >> 6 & 63, len(offered) - 1)
+        choice = {"type": "function", "function": {"name": _tool_name(offered[index])}}
+    return {"chat": bool(flags & 1), "thinking_mode": thinking, "tools": offered if choice != "none" else None,
+            "tool_choice": choice}
+
+
+def find_answer(ids: list[int]) -> tuple[int, int] | None:
+    """Where a context's trailing generated tokens begin, and the plan flags of their first token; None when the
+    context does not end in an answer (then it is all prompt)."""
+    i = len(ids) - 1
+    while i >= 0 and ANSWER_TOKEN_BASE <= ids[i] < ANSWER_TOKEN_BASE + ANSWER_BAND:
+        i -= 1
+    if i < 1 or not FIRST_TOKEN_BASE <= ids[i] < ANSWER_TOKEN_BASE:
+        return None
+    if any(ids[i + m] != ANSWER_TOKEN_BASE + m % ANSWER_BAND for m in range(1, len(ids) - i)):
+        return None
+    return i, ids[i] - FIRST_TOKEN_BASE
+
+
+def tools_in_prompt(text: str) -> list[dict[str, Any]] | None:
+    """The tools a prompt rendered by the built-in template offers (`# Tools` section), as request tools."""
+    start = text.find("\n<tools>\n")
+    end = text.find("\n</tools>", start + 1)
+    if start < 0 or end < 0:
+        return None
+    tools = []
+    for line in text[start + 9:end].split("\n"):
+        try:
+            fn = json.loads(line)
+        except ValueError:
+            return None
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
 def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thinking_mode: str | None = None,
                 tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, ignore_eos: bool = False,
                 min_tokens: int = 0, mean_output_tokens: int = 256, tool_call_probability: float = 0.5,
@@ -164,6 +257,8 @@ def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thi
     thinking = chat and (thinking_mode == "enabled" or (
         thinking_mode != "disabled" and rng.random() < adaptive_thinking_probability))
 
+    flags = plan_flags(chat=chat, thinking_mode=thinking_mode, tools=tools, tool_choice=tool_choice)
+    opens = thinking and thinking_mode != "enabled"
     forced = named_tool(tool_choice)
     wants_tool = bool(tools) and tool_choice != "none" and (
         tool_choice == "required" or forced is not None or rng.random() < tool_call_probability)
@@ -171,15 +266,17 @@ def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thi
         tool = next((t for t in tools if _tool_name(t) == forced), None) if forced else rng.choice(tools)
         if tool is not None:
             arguments = _arguments_for(_tool_schema(tool), rng)
-            tokens = max(2, -(-len(native_tool_call(_tool_name(tool), arguments).encode()) // 4))
+            markup = native_tool_call(_tool_name(tool), arguments)
+            tokens = max(2, -(-len(markup.encode()) // 4))
             reasoning = min(rng.randint(8, 64), max_tokens - tokens) if thinking else 0
             if reasoning >= 0 and tokens + reasoning <= max_tokens:
                 call = ToolCallPlan(f"chatcmpl-tool-{uuid.uuid4().hex}", _tool_name(tool),
-                                    json.dumps(arguments, ensure_ascii=False), tokens)
-                return OutputPlan(reasoning, 0, call, "stop" if forced else "tool_calls", offset)
+                                    json.dumps(arguments, ensure_ascii=False), tokens, markup)
+                return OutputPlan(reasoning, 0, call, "stop" if forced else "tool_calls", offset, flags,
+                                  opens)
 
     if thinking:
         reasoning = length if length < 2 else min(length - 1, max(1, round(length * rng.uniform(0.2, 0.6))))
     else:
         reasoning = 0
-    return OutputPlan(reasoning, length - reasoning, None, finish, offset)
+    return OutputPlan(reasoning, length - reasoning, None, finish, offset, flags, opens)

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may send as `model` (default: the --model value)")
     g.add_argument("--max-model-len", type=int, default=32768, help="context length: prompt + output (default 32768)")
+    g.add_argument("--shutdown-timeout", type=int, default=0, metavar="N",
+                   help="on SIGTERM, abort new requests and let those in flight run up to N seconds before they are "
+                        "failed and the server exits; 0 aborts them at once (vLLM's flag; default 0)")
     g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 paths (default: env VLLM_API_KEY, else none)")
 
@@ -144,7 +147,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         adaptive_thinking_probability=args.adaptive_thinking_probability, image_tokens=args.image_tokens,
         video_tokens=args.video_tokens, api_key=args.api_key, kv_events_config=args.kv_events_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, shutdown_timeout=args.shutdown_timeout,
         kv_transfer=KVTransferSettings(role=args.role, engine_id=args.engine_id,
                                        ms_per_block=args.kv_transfer_ms_per_block,
                                        lease_duration_s=args.kv_lease_duration,
@@ -167,6 +170,8 @@ def check_settings(s: SimSettings) -> str | None:
     """What vLLM would refuse to start with, as its message; None when the settings are usable."""
     if s.max_model_len <= 0 or s.block_size <= 0 or s.kv_blocks <= 0 or s.max_num_seqs <= 0:
         return "--max-model-len, --block-size, --kv-blocks and --max-num-seqs must be positive"
+    if s.shutdown_timeout < 0:
+        return "--shutdown-timeout must be >= 0"
     if s.cost.speed <= 0:
         return "--speed must be positive"
     if s.kv_blocks * s.block_size < s.max_model_len:

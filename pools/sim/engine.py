@@ -86,7 +86,7 @@ class SimRequest:
     remote_prefill: bool = False  # decode side: the prompt's KV is to be pulled from a prefill replica
     reported_cached_tokens: int | None = None  # decode side: the prefill side's prefix hits, reported in usage
     # engine state
-    status: str = "new"  # new | waiting | loading | running | finished
+    status: str = "new"  # new | waiting | loading | running | finished | killed (engine gone while draining)
     blocks: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # prompt blocks already stored in the prefix cache
     num_computed: int = 0  # tokens whose KV is computed
@@ -104,6 +104,7 @@ class SimRequest:
     finish_reason: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     trace_parent: tuple[int, int] | None = None  # (trace id, parent span id) of its traceparent (pools/sim/tracing.py)
+    server_abort: bool = False  # aborted by the replica shutting down, not by its client
 
     @property
     def finished(self) -> bool:
@@ -154,6 +155,7 @@ class Engine:
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
+        self.draining = False  # SIGTERM received (vLLM's shutdown): the frontend refuses new requests
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -191,6 +193,35 @@ class Engine:
         """The client went away: free everything the request holds (counted as finished_reason=abort)."""
         if req.status in ("waiting", "loading", "running"):
             self._finish(req, "abort", self.clock())
+        elif req.status == "killed":  # its engine is gone; only the client's hang-up ends the stream
+            req.status, req.finish_reason = "finished", "abort"
+            req.wake.set()
+
+    def shutdown_abort(self, req: SimRequest) -> None:
+        """The replica is shutting down (SIGTERM with --shutdown-timeout 0, or a request arriving while it
+        drains): finish the request with "abort"; its stream still ends properly."""
+        if req.status in ("waiting", "loading", "running"):
+            req.server_abort = True
+            self._finish(req, "abort", self.clock())
+
+    def kill(self, req: SimRequest) -> None:
+        """The drain timed out and vLLM killed the engine process: the request makes no more progress and nothing
+        tells its stream, which stays open and silent until the client hangs up."""
+        if req.status == "running":
+            self.running.remove(req)
+        elif req.status == "waiting":
+            self.waiting.remove(req)
+        elif req.status == "loading":
+            self.loading.remove(req)
+        else:
+            return
+        self.kv.free(req.blocks)
+        req.blocks = []
+        req.status = "killed"
+
+    @property
+    def in_flight(self) -> list[SimRequest]:
+        return [*self.waiting, *self.loading, *self.running]
 
     def release_blocks(self, blocks: list[int]) -> None:
         """The connector frees blocks it held for a decode side (they stay in the prefix cache, now evictable)."""

@@ -157,6 +157,7 @@ class _Request(BaseModel):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # acted on only with a KV connector (--role prefill/decode)
     use_beam_search: bool = False
+    return_token_ids: bool | None = None  # prompt ids in the first chunk, each chunk's own ids after
     # sampling parameters (validated like SamplingParams; the simulator's text does not depend on them)
     temperature: float | None = None
     top_p: float | None = None

@@ -11,8 +11,10 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import socket
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -66,6 +68,36 @@ class SocketListener:
         loop.create_task(reopen())
 
 
+class DrainingServer(uvicorn.Server):
+    """SIGTERM starts vLLM's shutdown (`SimApp.drain`, bounded by --shutdown-timeout) and exits when it is done;
+    SIGINT stops at once as before."""
+
+    def __init__(self, config: uvicorn.Config, app: SimApp, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        if not self._draining:
+            self._draining = True
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))  # type: ignore[union-attr]
+
+    async def _drain(self) -> None:
+        await self._app.drain(self._shutdown_timeout)
+        await asyncio.sleep(0.05)  # let the streams write their last chunks
+        self.config.timeout_graceful_shutdown = None  # as vLLM: wait for every open connection to be closed
+        self.should_exit = True
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+
 def serve(settings: SimSettings) -> int:
     """Run until SIGTERM/SIGINT. Prints one line `m3gate-sim listening on http://HOST:PORT` once it accepts."""
     logging.getLogger("uvicorn.error").addFilter(QuietDrops())
@@ -80,7 +112,7 @@ def serve(settings: SimSettings) -> int:
         app.kv_connector.port = port  # remote_port: where decode replicas reach this one's /sim/kv routes
     config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=1, timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, settings.shutdown_timeout)
 
     async def main() -> None:
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

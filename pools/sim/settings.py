@@ -82,6 +82,7 @@ class SimSettings:
     prefix_caching_hash_algo: str | None = None  # sha256_cbor / sha256: vLLM's own block hashes over the token ids
     hash_seed: str | None = None  # the process's PYTHONHASHSEED, which vLLM hashes into NONE_HASH (as vLLM reads it)
     kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
+    shutdown_timeout: float = 0  # vLLM's --shutdown-timeout: seconds requests in flight may run after SIGTERM
     otlp_traces_endpoint: str | None = None  # vLLM's --otlp-traces-endpoint: llm_request spans (pools/sim/tracing.py)
     # fault injection at start (changeable later through POST /sim/faults)
     faults: FaultSettings = field(default_factory=FaultSettings)

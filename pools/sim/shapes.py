@@ -35,6 +35,7 @@ class Choice:
     index: int
     sim: SimRequest
     plan: OutputPlan
+    offset: int = 0  # plan tokens already in the prompt (a completions request continuing a greedy answer)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Generation:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields some APIs repeat in their answer
     tool_parsing: str | None = None  # request_type of vllm:tool_call_parser_invocations when tools were offered
     echo_prompt: str | None = None  # completions with `echo`: the prompt text that precedes each choice's text
+    return_token_ids: bool = False  # vLLM's return_token_ids: prompt ids first, then each chunk's own ids
+    prompt_ids: list[int] | None = None  # the prompt's token ids (set when return_token_ids)
 
     @property
     def sim(self) -> SimRequest:
@@ -69,6 +72,16 @@ class Generation:
     @property
     def aborted(self) -> bool:
         return any(c.sim.finish_reason == "abort" for c in self.choices)
+
+    @property
+    def client_gone(self) -> bool:
+        """Aborted because the client went away (nothing more is sent)."""
+        return any(c.sim.finish_reason == "abort" and not c.sim.server_abort for c in self.choices)
+
+    @property
+    def server_aborted(self) -> bool:
+        """Aborted by the replica's shutdown: chat and completions streams still end with finish_reason "abort"."""
+        return any(c.sim.finish_reason == "abort" and c.sim.server_abort for c in self.choices)
 
     @property
     def finished(self) -> bool:
@@ -240,8 +253,8 @@ class ChatShape:
         """The delta that output token `index` produces, or None when the parsers hold it back."""
         plan = (choice or gen.choices[0]).plan
         kind, text = plan.piece(index)
-        if kind == "content":
-            return {"content": text}
+        if kind == "content":  # with reasoning hidden, the parser sets reasoning=None explicitly on every delta
+            return {"content": text} if gen.include_reasoning else {"content": text, "reasoning": None}
         if kind == "reasoning":
             return {"content": None, "reasoning": text} if gen.include_reasoning else None
         call = plan.tool_call
@@ -256,7 +269,7 @@ class ChatShape:
             tc = {"id": call.call_id, "type": "function", "index": 0, "function": {"name": call.name}}
         if args:
             tc["function"]["arguments"] = call.arguments
-        return {"tool_calls": [tc]}
+        return {"tool_calls": [tc]} if gen.include_reasoning else {"reasoning": None, "tool_calls": [tc]}
 
     @staticmethod
     def _logprobs_k(gen: Generation) -> int | None:
@@ -273,10 +286,13 @@ class ChatShape:
     async def events(gen: Generation) -> AsyncIterator[bytes]:
         head = {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model}
         k = ChatShape._logprobs_k(gen)
+        # With reasoning hidden vLLM also hides token ids (they would leak the reasoning); a held-back token still
+        # gets its own chunk (empty delta) when ids are returned, so every id reaches the client.
+        with_ids = gen.return_token_ids and gen.include_reasoning
         sent = [0] * len(gen.choices)
         started = False
         async for counts in progress_all(gen):
-            if gen.aborted:
+            if gen.client_gone:
                 return
             if not started:
                 started = True
@@ -287,14 +303,14 @@ class ChatShape:
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
                     delta = ChatShape.delta(gen, i, choice)
-                    if delta is None and not last and k is None:
+                    if delta is None and not last and k is None and not with_ids:
                         continue
                     item: dict[str, Any] = {"index": choice.index, "delta": delta or {},
                                             "logprobs": chat_logprobs(choice, i, i + 1, k) if k is not None else None,
                                             "finish_reason": gen.finish_reason(choice) if last else None}
                     if last:
                         item["stop_reason"] = None
-                    item["token_ids"] = None
+                    item["token_ids"] = [choice.plan.token_id(i)] if with_ids else None
                     chunk: dict[str, Any] = {**head, "choices": [item]}
                     if last and not gen.include_usage:
                         chunk["system_fingerprint"] = gen.system_fingerprint
@@ -302,9 +318,18 @@ class ChatShape:
                         chunk["usage"] = ChatShape._running_usage(gen, choice, i + 1)
                     yield _sse(chunk)
                 sent[choice.index] = upto
-        if gen.aborted:
+        if gen.client_gone:
             return
-        if gen.failed:  # the engine's first output is the error: role chunks, then the error event
+        if gen.server_aborted:
+            if not started:  # the first engine output is the abort: the role chunk still goes out
+                for chunk in ChatShape._role_chunks(gen, head):
+                    yield chunk
+            for choice in gen.choices:
+                if choice.sim.num_output:  # vLLM skips an empty output, so an answer with no token has no end
+                    yield _sse({**head, "choices": [{
+                        "index": choice.index, "delta": {}, "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None, "token_ids": [] if with_ids else None}]})
+        elif gen.failed:  # the engine's first output is the error: role chunks, then the error event
             if not started:
                 for chunk in ChatShape._role_chunks(gen, head):
                     yield chunk
@@ -322,7 +347,7 @@ class ChatShape:
         for choice in gen.choices:
             role: dict[str, Any] = {**head, "choices": [{"index": choice.index, "delta": {
                 "role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}],
-                "prompt_token_ids": None, "prompt_text": None}
+                "prompt_token_ids": gen.prompt_ids if gen.return_token_ids else None, "prompt_text": None}
             if gen.continuous_usage:
                 role["usage"] = ChatShape._running_usage(gen, choice, 0)
             chunks.append(_sse(role))
@@ -330,20 +355,23 @@ class ChatShape:
 
     @staticmethod
     def _choice(gen: Generation, choice: Choice) -> dict[str, Any]:
-        plan = choice.plan
-        reasoning = plan.text("reasoning") if plan.reasoning_tokens and gen.include_reasoning else None
-        content = plan.text("content") if plan.content_tokens else None
+        plan, out = choice.plan, choice.sim.num_output  # fewer than planned when a shutdown aborted it
+        reasoning = (plan.text("reasoning", out) or None) if plan.reasoning_tokens and gen.include_reasoning else None
+        content = plan.text("content", out) if plan.content_tokens and out > plan.reasoning_tokens else None
         message: dict[str, Any] = {"role": gen.role, "content": content, "refusal": None, "annotations": None,
                                    "audio": None, "function_call": None}
-        if plan.tool_call is not None:
+        if plan.tool_call is not None and out >= plan.total_tokens:
             call = plan.tool_call
             message["tool_calls"] = [{"id": call.call_id, "type": "function",
                                       "function": {"name": call.name, "arguments": call.arguments}}]
         message["reasoning"] = reasoning
         k = ChatShape._logprobs_k(gen)
         logprobs = chat_logprobs(choice, 0, choice.sim.num_output, k) if k is not None else None
+        ids = ([plan.token_id(i) for i in range(choice.sim.num_output)]
+               if gen.return_token_ids and gen.include_reasoning else None)
+        finish = "abort" if choice.sim.finish_reason == "abort" else gen.finish_reason(choice)
         return {"index": choice.index, "message": message, "logprobs": logprobs,
-                "finish_reason": gen.finish_reason(choice), "stop_reason": None, "token_ids": None,
+                "finish_reason": finish, "stop_reason": None, "token_ids": ids,
                 "routed_experts": None}
 
     @staticmethod
@@ -352,7 +380,8 @@ class ChatShape:
             "id": gen.response_id, "object": "chat.completion", "created": gen.created, "model": gen.model,
             "choices": [ChatShape._choice(gen, c) for c in gen.choices],
             "service_tier": None, "system_fingerprint": gen.system_fingerprint,
-            "usage": chat_usage(gen, streaming=False), "prompt_logprobs": None, "prompt_token_ids": None,
+            "usage": chat_usage(gen, streaming=False), "prompt_logprobs": None,
+            "prompt_token_ids": gen.prompt_ids if gen.return_token_ids else None,
             "prompt_text": None, "kv_transfer_params": gen.kv_transfer_params, "ec_transfer_params": None,
             "metrics": None})
 
@@ -369,23 +398,25 @@ class CompletionShape:
         sent = [0] * len(gen.choices)
         offsets = [0] * len(gen.choices)
         async for counts in progress_all(gen):
-            if gen.aborted:
+            if gen.client_gone:
                 return
             for choice, upto in zip(gen.choices, counts, strict=True):
-                total = choice.plan.total_tokens
+                total, off = choice.sim.output_tokens, choice.offset
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
-                    text = choice.plan.piece(i)[1]
+                    text = choice.plan.raw_piece(off + i)
                     logprobs = None
                     if k is not None:
                         logprobs = completion_logprobs(choice, i, i + 1, k, offsets[choice.index])
                         offsets[choice.index] += len(text)
                     if i == 0 and gen.echo_prompt is not None:
                         text = gen.echo_prompt + text  # the first chunk echoes the prompt
+                    ids = gen.return_token_ids
                     chunk: dict[str, Any] = {**head, "choices": [{
                         "index": choice.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": gen.finish_reason(choice) if last else None, "stop_reason": None,
-                        "prompt_token_ids": None, "token_ids": None}]}
+                        "finish_reason": choice.plan.engine_finish if last else None, "stop_reason": None,
+                        "prompt_token_ids": gen.prompt_ids if ids and i == 0 else None,
+                        "token_ids": [choice.plan.token_id(off + i)] if ids else None}]}
                     if last and not gen.include_usage:
                         chunk["system_fingerprint"] = gen.system_fingerprint
                     if gen.continuous_usage:
@@ -394,9 +425,16 @@ class CompletionShape:
                                           "completion_tokens": i + 1}
                     yield _sse(chunk)
                 sent[choice.index] = upto
-        if gen.aborted:
+        if gen.client_gone:
             return
-        if gen.failed:
+        if gen.server_aborted:
+            for choice in gen.choices:
+                if choice.sim.num_output:
+                    yield _sse({**head, "choices": [{
+                        "index": choice.index, "text": "", "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None, "prompt_token_ids": None,
+                        "token_ids": [] if gen.return_token_ids else None}]})
+        elif gen.failed:
             yield STREAM_ERROR
             yield DONE
             return
@@ -409,10 +447,15 @@ class CompletionShape:
     def body(gen: Generation) -> bytes:
         k = gen.logprobs
         echo = gen.echo_prompt or ""
-        choices = [{"index": c.index, "text": echo + c.plan.text("content"),
+        ids = gen.return_token_ids
+        choices = [{"index": c.index,
+                    "text": echo + "".join(c.plan.raw_piece(c.offset + i) for i in range(c.sim.num_output)),
                     "logprobs": completion_logprobs(c, 0, c.sim.num_output, k, 0) if k is not None else None,
-                    "finish_reason": gen.finish_reason(c), "stop_reason": None, "token_ids": None,
-                    "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None} for c in gen.choices]
+                    "finish_reason": "abort" if c.sim.finish_reason == "abort" else c.plan.engine_finish,
+                    "stop_reason": None,
+                    "token_ids": [c.plan.token_id(c.offset + i) for i in range(c.sim.num_output)] if ids else None,
+                    "prompt_logprobs": None, "prompt_token_ids": gen.prompt_ids if ids else None,
+                    "routed_experts": None} for c in gen.choices]
         return orjson.dumps({
             "id": gen.response_id, "object": "text_completion", "created": gen.created, "model": gen.model,
             "choices": choices, "service_tier": None, "system_fingerprint": gen.system_fingerprint,

@@ -244,7 +244,11 @@ def convert_developer_messages(messages: list[dict[str, Any]]) -> list[dict[str,
 # Default: 4-byte chunks, MiniMax-style template
 
 CHUNK = 4
-VOCAB_SIZE = 200_064  # MiniMax-M2/M3 vocabulary size; ids are folded into it
+VOCAB_SIZE = 200_064  # MiniMax-M2/M3 vocabulary size
+# The top of the vocabulary is the simulated model's output vocabulary (pools/sim/behaviour.py: answer token ids);
+# prompt text folds into the rest, so a context's generated tokens can be told apart from its prompt.
+ANSWER_VOCAB = 4096 + 65536
+TEXT_VOCAB_SIZE = VOCAB_SIZE - ANSWER_VOCAB
 
 
 class ByteTokens:
@@ -256,7 +260,7 @@ class ByteTokens:
         self.count = len(self.data) // CHUNK
 
     def ids(self) -> list[int]:
-        return [v % VOCAB_SIZE for v in array("I", self.data)]  # "I" is 4 bytes on every platform we run on
+        return [v % TEXT_VOCAB_SIZE for v in array("I", self.data)]  # "I" is 4 bytes on every platform we run on
 
     def token_strs(self) -> list[str]:
         d = self.data

@@ -9,7 +9,6 @@ steady streaming load through two gateways sharing a private Redis, with the tar
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ pytestmark = [
     pytest.mark.chaos,
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (make redis)"),
+    pytest.mark.tools("redis-server"),
 ]
 
 

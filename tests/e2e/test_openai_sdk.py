@@ -9,7 +9,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
+from gateway.launcher import start_gateway
+from pools.sim.launcher import SimProcess
+from tests.e2e.conftest import MODEL, gateway_config
 
 WORDS = ("alpha beta gamma delta kernel router prefix cache block token stream replica pool latency budget "
          "context window session agent tool result image video thinking mode").split()
@@ -123,15 +125,28 @@ def test_context_length_picks_the_smallest_pool_that_holds_it(
     assert raw.parse().usage.prompt_tokens > 0
 
 
-def test_image_goes_to_a_pool_that_takes_images(client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=8,
-        messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is in this picture?"},
-            {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}},
-        ]}],
-    )
-    assert pool_of(raw) == "interactive"
+def test_image_goes_to_a_pool_that_takes_images(sims: dict[str, list[SimProcess]]) -> None:
+    """A gateway whose smallest pool takes text only: a router that ignored the image would pick that pool."""
+    config = gateway_config(sims)
+    config["pools"].insert(0, {"name": "short", "max_model_len": 16384, "modalities": ["text"],
+                               "endpoints": [s.url for s in sims["repository"]]})
+    gw = start_gateway(config)
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60)
+        text = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "What is in this picture?"}],
+        )
+        assert pool_of(text) == "short", "the same request without its image goes to the smallest pool"
+        image = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=8,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}},
+            ]}],
+        )
+        assert pool_of(image) == "interactive"
+    finally:
+        gw.stop()
 
 
 def test_forced_pool_header(client: openai.OpenAI) -> None:

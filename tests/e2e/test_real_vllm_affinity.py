@@ -1,5 +1,8 @@
-"""A multi-turn agent trace through the gateway in front of 2 REAL vLLM CPU replicas: prefix_affinity beats
-round_robin on the replicas' own `vllm:prefix_cache_hits_total / queries_total`."""
+"""A multi-turn agent trace through the gateway in front of 2 REAL vLLM CPU replicas: prefix_affinity reaches the
+oracle's hit rate on the replicas' own `vllm:prefix_cache_hits_total / queries_total`, where round_robin does not.
+
+The oracle is the same trace on ONE replica: every prefix the trace shares, within and across sessions, is found in
+that replica's cache (the trace fits it many times over), so no routing over two replicas can do better."""
 
 from __future__ import annotations
 
@@ -70,9 +73,18 @@ def run_policy(servers: list[Any], policy: str, seed: int) -> float:
     return (hits1 - hits0) / max(1.0, queries1 - queries0)
 
 
-def test_prefix_affinity_beats_round_robin_on_real_prefix_hits(vllm_servers: list[Any]) -> None:
+# What the feature claims (loadtests/bench_policies.py checks the same bound on the simulated benchmark).
+ORACLE_SHARE = 0.95
+
+
+def test_prefix_affinity_reaches_the_one_replica_oracle_on_real_prefix_hits(vllm_servers: list[Any]) -> None:
     replicas = sorted(vllm_servers, key=lambda s: s.max_model_len)[1:]  # the 4K and 8K servers form one pool
+    # each run: same shape, fresh text, so nothing an earlier run cached is hit
+    oracle = run_policy(replicas[:1], "round_robin", seed=13)
     round_robin = run_policy(replicas, "round_robin", seed=11)
-    affinity = run_policy(replicas, "prefix_affinity", seed=12)  # same shape, fresh text: nothing cached yet
-    print(f"real vLLM prefix hit rate: round_robin {round_robin:.3f}, prefix_affinity {affinity:.3f}")
-    assert affinity > round_robin + 0.05
+    affinity = run_policy(replicas, "prefix_affinity", seed=12)
+    print(f"real vLLM prefix hit rate: one-replica oracle {oracle:.3f}, round_robin {round_robin:.3f}, "
+          f"prefix_affinity {affinity:.3f}")
+    assert affinity >= ORACLE_SHARE * oracle, f"prefix_affinity {affinity:.3f} < {ORACLE_SHARE} × oracle {oracle:.3f}"
+    # the trace tells routings apart: spreading sessions without regard to their prefixes falls short of the bound
+    assert round_robin < ORACLE_SHARE * oracle, f"round_robin {round_robin:.3f} reaches the bound: the trace is too easy"

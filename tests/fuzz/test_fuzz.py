@@ -4,7 +4,6 @@ connection-level attacks, with the targets as assertions."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
@@ -15,7 +14,7 @@ pytestmark = [
     pytest.mark.fuzz,
     pytest.mark.slow,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (make redis)"),
+    pytest.mark.tools("redis-server"),
 ]
 
 

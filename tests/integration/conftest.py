@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -11,14 +10,14 @@ import redis.asyncio as aioredis
 
 from loadtests.private_redis import PrivateRedis
 from tests.support.shared import SHARED_REDIS
+from tests.support.tools import require_tools
 
 
 
 @pytest.fixture(scope="module")
 def private_redis() -> Iterator[PrivateRedis]:
     """A redis-server of this test module's own on a free port (tests may stop and restart it)."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+    require_tools("redis-server")
     server = PrivateRedis(db=7)
     server.start()
     try:

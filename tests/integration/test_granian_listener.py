@@ -1,4 +1,4 @@
-"""`server.listener: granian` (opt-in; uvicorn is the default, README "Gateway overhead" says why): the gateway serves
+"""`server.listener: granian` (opt-in; uvicorn is the default, docs/performance.md says why): the gateway serves
 plain and streamed chats under granian and stops cleanly on SIGTERM. The relay resilience suite passes under it too
 (`M3GATE_LISTENER=granian pytest tests/integration/test_relay_resilience.py`); the fuzz suite's slowloris-headers 408
 and OpenAI-shaped 400 for malformed requests do not (hyper's own answers), which is why it is not the default."""

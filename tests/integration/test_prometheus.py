@@ -7,7 +7,6 @@ each failure happens: a slow replica, a failing one, a full KV cache, a dead rep
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -37,12 +36,13 @@ from loadtests.observability_stack import (
 from gateway.contract import BOUNDS
 from policies.config import GatewayConfig
 from policies.contract import build_contract, check, slo_rules, to_html
+from tests.support.tools import tools_required
 
 MISSING = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
+    pytest.mark.skipif(bool(MISSING) and not tools_required(),
                        reason=f"{' and '.join(MISSING)} not installed: run `make prometheus`"),
 ]
 LOAD_SECONDS = 8.0

@@ -5,7 +5,6 @@ it measured match the generator's own waits, per turn, within 5 ms at the p50.""
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from loadtests.bench_sessions_e2e import SCENARIOS, TOLERANCE_MS, markdown, run
 
 pytestmark = [pytest.mark.timeout(90),
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")]
+              pytest.mark.tools("redis-server")]
 
 
 def test_m3gate_measures_the_agents_own_tool_and_think_waits_with_and_without_headers_through_one_and_two_gateways(

@@ -18,6 +18,7 @@ import redis
 
 from gateway.launcher import GatewayProcess, free_port, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.tools import require_tools
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 KEY = "sk-limited-0123456789"
@@ -97,9 +98,9 @@ def test_a_request_larger_than_the_token_limit_is_refused_outright(sim: SimProce
 @pytest.fixture
 def own_redis() -> Iterator[dict[str, Any]]:
     """A redis-server of this test's own on a free port: stopped and restarted by PID (never the shared one)."""
+    require_tools("redis-server")
     binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
+    assert binary is not None
     port = free_port()
     state: dict[str, Any] = {"port": port, "url": f"redis://127.0.0.1:{port}/0"}
 

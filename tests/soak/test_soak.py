@@ -6,7 +6,6 @@ Deselect locally with `-m "not soak"`.
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
@@ -17,7 +16,7 @@ pytestmark = [
     pytest.mark.soak,
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (make redis)"),
+    pytest.mark.tools("redis-server"),
 ]
 
 

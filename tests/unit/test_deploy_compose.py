@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,8 @@ import yaml
 
 from policies.config import GatewayConfig, load_config
 from policies.launch import render
+
+from tests.support.tools import require_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -283,7 +284,6 @@ def test_dockerfile_copies_what_exists_and_runs_the_cli() -> None:
     ("haproxy", ["-c", "-f", "haproxy.cfg"]),  # names resolve only inside compose: init-addr none lets it start
 ])
 def test_config_files_pass_their_own_tools_check(tool: str, args: list[str]) -> None:
-    if shutil.which(tool) is None:
-        pytest.skip(f"{tool} not installed")
+    require_tools(tool)
     result = subprocess.run([tool, *args], check=False, cwd=COMPOSE_DIR, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
