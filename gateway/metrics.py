@@ -636,6 +636,7 @@ class GatewayMetrics:
         self.pruner.tables = self.requests.tables
         self.pruner.on_removed = self.requests.forget_series
         self.registry.register(ReplicaCollector(gateway, self.requests))
+        self.registry.register(gateway.precise.collector())  # KV events and scorings of whichever pools are precise
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total etc. of this gateway process
 
     def started(self, api: str) -> None:

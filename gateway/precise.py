@@ -1,4 +1,4 @@
-"""Precise prefix routing as one collaborator of the gateway: a `PrecisePool` (pools/kv_events.py) per pool that
+"""Precise prefix routing as one collaborator of the gateway: a `PrecisePool` (gateway/precise_pool.py) per pool that
 routes from its replicas' KV events, kept in step with config reloads and discovery, and the exact block hashes each
 request needs.
 
@@ -17,12 +17,16 @@ from typing import Any
 
 import aiohttp
 
+from gateway.precise_pool import PrecisePool
 from policies.config import GatewayConfig
 from policies.pool_choice import PoolChoice
 from policies.replica_choice import RoutingRequest
-from pools.kv_events import PreciseCollector, PrecisePool
+from pools.exact_index import ExactIndex, HybridMatcher
+from pools.kv_events.collector import PreciseCollector
+from pools.kv_events.subscriber import SourceStats
 from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime
+from pools.tokenizer import HashSettings
 
 
 class PreciseRouting:
@@ -62,7 +66,7 @@ class PreciseRouting:
                 self._background(fresh.start(self._session, _probe_headers(pools.get(name))))
         return changed
 
-    def matcher(self, pool: str) -> Any:
+    def matcher(self, pool: str) -> PrefixIndex | HybridMatcher:
         """What the pool's replica policy matches prefixes against: the exact index, else the approximate one."""
         precise = self.pools.get(pool)
         return precise.matcher if precise is not None else self.approx
@@ -97,7 +101,7 @@ class PreciseRouting:
         """The request with its exact vLLM block hashes, for each candidate pool that routes precisely (pools that
         hash alike share one computation). Tokenizing runs in a worker thread; a failure means approximate routing."""
         out: dict[str, RoutingRequest] = {}
-        done: dict[Any, tuple[int, ...]] = {}
+        done: dict[tuple[HashSettings, str, str | None], tuple[int, ...]] = {}
         now = self.clock()
         for pool_cfg in choice.candidates:
             precise = self.pools.get(pool_cfg.name)
@@ -135,6 +139,6 @@ class _PreciseHubs:
     def clock(self) -> float:
         return float(self._routing.clock())
 
-    def iter_sources(self) -> Iterator[Any]:
+    def iter_sources(self) -> Iterator[tuple[str, str, SourceStats, ExactIndex]]:
         for precise in list(self._routing.pools.values()):
             yield from precise.hub.iter_sources()

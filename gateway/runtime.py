@@ -53,7 +53,6 @@ class Gateway:
         self._apply_config(config)
         self.telemetry = Telemetry(self)
         self.recent = RecentRequests()  # the status page's latest requests, kept only while it is open
-        self._register_precise_metrics()
         self.discovery = DiscoveryManager(lambda: self.pools, self.sync_prefix_index, resolver)
         shares = bool(config.state) and config.state != "memory"
         self.sessions = SessionTracker(config.sessions, shared=shares, on_end=self._session_ended) \
@@ -106,19 +105,13 @@ class Gateway:
             self.sessions.apply_config(config.sessions)
         self._apply_config(config)
         notes.extend(self.traffic.apply_config(config))
-        if self.telemetry.apply_config(config):  # metrics turned on by this reload: a fresh registry
-            self._register_precise_metrics()
+        self.telemetry.apply_config(config)
         return notes
 
     def telemetry_reload(self, ok: bool) -> None:
         hook = getattr(self.telemetry, "config_reloaded", None)
         if hook is not None:
             hook(ok)
-
-    def _register_precise_metrics(self) -> None:
-        metrics = getattr(self.telemetry, "metrics", None)
-        if metrics is not None:
-            metrics.registry.register(self.precise.collector())
 
     # lifecycle ---------------------------------------------------------------------------------------------
     async def start(self) -> None:

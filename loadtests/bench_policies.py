@@ -44,6 +44,7 @@ from loadtests.harness import execute, run_dir
 from loadtests.oracle import oracle_hit_rates, token_structure
 from loadtests.replicas import GatewayProc, gateway_config, sim_pool, wait_gateway_sees
 from loadtests.workload import Plan, build_plan, load_workload
+from loadtests.workload_mix import agent_turns, lognormal
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
 MODES = (*POLICIES, "direct")
@@ -55,7 +56,6 @@ SIM_ARGS = ["--max-num-seqs", "64", "--tool-call-probability", "0",
 
 def agent_spec(quick: bool, seed: int = 11) -> dict[str, Any]:
     """Agents: 3 system prompts (1,500 tokens) with 8 tool schemas each, histories growing by tool results."""
-    sessions = 40 if quick else 64
     return {
         "name": "policies-agent",
         "seed": seed,
@@ -63,18 +63,11 @@ def agent_spec(quick: bool, seed: int = 11) -> dict[str, Any]:
         "drain_s": 30,
         "sessions": [{
             "name": "agent",
-            "count": sessions,
+            "count": 40 if quick else 64,
             "arrival": {"process": "poisson", "rate": 4.0 if quick else 1.5},
-            "system_prompts": {"count": 3, "tokens": 1500},
-            "tools": {"count": 8, "tokens_each": 100},
-            "turns": {"dist": "uniform_int", "min": 5, "max": 8} if quick else {"dist": "uniform_int", "min": 6,
-                                                                                 "max": 12},
-            "first_user_tokens": {"dist": "uniform_int", "min": 500, "max": 2000},
-            "user_tokens": {"dist": "uniform_int", "min": 50, "max": 300},
-            "tool_result_share": 0.7,
-            "tool_result_tokens": {"dist": "lognormal", "median": 1000, "sigma": 0.5, "min": 200, "max": 3000},
-            "output_tokens": {"dist": "uniform_int", "min": 40, "max": 120},
-            "tool_call_output_tokens": {"dist": "uniform_int", "min": 20, "max": 40},
+            **agent_turns(system_tokens=1500, tools=8, tool_tokens=100, turns=(5, 8) if quick else (6, 12),
+                          first_user=(500, 2000), user=(50, 300), tool_result=lognormal(1000, 0.5, 200, 3000),
+                          output=(40, 120), tool_call_output=(20, 40)),
             "think_time_s": {"dist": "exponential", "mean": 0.5 if quick else 1.0, "max": 4},
             "tool_time_s": {"dist": "exponential", "mean": 0.2, "max": 1},
             "thinking_share": 0.5,

@@ -30,6 +30,7 @@ from loadtests.client import Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import MODEL, GatewayProc, wait_gateway_sees
 from loadtests.workload import Plan, build_plan
+from loadtests.workload_mix import agent_turns, interactive_mix, lognormal, uniform_int
 
 MAX_MODEL_LEN = 8192
 REPLICAS = 2
@@ -37,33 +38,18 @@ REPLICAS = 2
 
 def spec(rate: float, duration_s: float, seed: int) -> dict[str, Any]:
     """bench_slo's interactive mix in an 8K context: 60% bursty chats, 40% agent-session turns."""
-    turns_mean = 4.0
-    return {
-        "name": "predictions-vllm", "seed": seed, "duration_s": duration_s, "drain_s": 60,
-        "arrival": {"process": "gamma", "rate": 0.6 * rate, "burstiness": 0.3},
-        "classes": [{
-            "name": "chat",
-            "prompt_tokens": {"dist": "lognormal", "median": 900, "sigma": 0.5, "min": 300, "max": 2000},
-            "output_tokens": {"dist": "uniform_int", "min": 8, "max": 32},
-            "shared_prefix": {"groups": 6, "tokens": 400, "distribution": "zipf"},
-        }],
-        "sessions": [{
-            "name": "agent",
-            "count": max(1, round(0.4 * rate / turns_mean * duration_s)),
-            "arrival": {"process": "poisson", "rate": 0.4 * rate / turns_mean},
-            "system_prompts": {"count": 3, "tokens": 500},
-            "tools": {"count": 4, "tokens_each": 60},
-            "turns": {"dist": "uniform_int", "min": 2, "max": 5},
-            "first_user_tokens": {"dist": "uniform_int", "min": 100, "max": 400},
-            "user_tokens": {"dist": "uniform_int", "min": 30, "max": 150},
-            "tool_result_share": 0.7,
-            "tool_result_tokens": {"dist": "lognormal", "median": 250, "sigma": 0.5, "min": 50, "max": 600},
-            "output_tokens": {"dist": "uniform_int", "min": 8, "max": 32},
-            "tool_call_output_tokens": {"dist": "uniform_int", "min": 8, "max": 16},
+    return interactive_mix(
+        name="predictions-vllm", seed=seed, rate=rate, duration_s=duration_s, drain_s=60, turns_mean=4.0,
+        chat={"prompt_tokens": lognormal(900, 0.5, 300, 2000), "output_tokens": uniform_int(8, 32),
+              "shared_prefix": {"groups": 6, "tokens": 400, "distribution": "zipf"}},
+        agent={
+            **agent_turns(system_tokens=500, tools=4, tool_tokens=60, turns=(2, 5), first_user=(100, 400),
+                          user=(30, 150), tool_result=lognormal(250, 0.5, 50, 600), output=(8, 32),
+                          tool_call_output=(8, 16)),
             "pacing": "interval",
             "interval_s": {"dist": "exponential", "mean": 1.0, "min": 0.2, "max": 4},
-        }],
-    }
+        },
+    )
 
 
 def gateway_config(urls: list[str]) -> dict[str, Any]:

@@ -59,6 +59,7 @@ from loadtests.client import RunOutput, Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import MODEL, GatewayProc, wait_gateway_sees
 from loadtests.workload import Plan, Slo, build_plan
+from loadtests.workload_mix import agent_turns, interactive_mix, lognormal, uniform_int
 
 MODES = ("prefix_affinity", "slo_aware")
 WARM_UP = 100  # decisions per pool a fresh gateway's model learns from before "warmed up" figures count
@@ -81,37 +82,20 @@ SIM_ARGS = ["--max-num-seqs", "64", "--tool-call-probability", "0", "--prefill-u
 
 def interactive_spec(rate: float, duration_s: float, seed: int) -> dict[str, Any]:
     """Interactive traffic at `rate` req/s: 60% bursty independent chats, 40% agent-session turns."""
-    turns_mean = 5.0
-    chat_rate = 0.6 * rate
-    session_rate = 0.4 * rate / turns_mean
-    return {
-        "name": "slo-interactive", "seed": seed, "duration_s": duration_s, "drain_s": 40,
-        "arrival": {"process": "gamma", "rate": chat_rate, "burstiness": 0.3},
-        "classes": [{
-            "name": "chat",
-            "prompt_tokens": {"dist": "lognormal", "median": 2200, "sigma": 0.4, "min": 1700, "max": 6000},
-            "output_tokens": {"dist": "uniform_int", "min": 24, "max": 64},
-            "shared_prefix": {"groups": 6, "tokens": 1500, "distribution": "zipf"},
-            "slo": {"ttft_ms": 1000 * TARGETS_S["interactive"]},
-        }],
-        "sessions": [{
-            "name": "agent",
-            "count": max(1, round(session_rate * duration_s)),
-            "arrival": {"process": "poisson", "rate": session_rate},
-            "system_prompts": {"count": 3, "tokens": 1500},
-            "tools": {"count": 6, "tokens_each": 100},
-            "turns": {"dist": "uniform_int", "min": 3, "max": 7},
-            "first_user_tokens": {"dist": "uniform_int", "min": 300, "max": 1200},
-            "user_tokens": {"dist": "uniform_int", "min": 50, "max": 300},
-            "tool_result_share": 0.7,
-            "tool_result_tokens": {"dist": "lognormal", "median": 700, "sigma": 0.5, "min": 100, "max": 2500},
-            "output_tokens": {"dist": "uniform_int", "min": 24, "max": 64},
-            "tool_call_output_tokens": {"dist": "uniform_int", "min": 16, "max": 32},
+    slo = {"ttft_ms": 1000 * TARGETS_S["interactive"]}
+    return interactive_mix(
+        name="slo-interactive", seed=seed, rate=rate, duration_s=duration_s, drain_s=40, turns_mean=5.0,
+        chat={"prompt_tokens": lognormal(2200, 0.4, 1700, 6000), "output_tokens": uniform_int(24, 64),
+              "shared_prefix": {"groups": 6, "tokens": 1500, "distribution": "zipf"}, "slo": slo},
+        agent={
+            **agent_turns(system_tokens=1500, tools=6, tool_tokens=100, turns=(3, 7), first_user=(300, 1200),
+                          user=(50, 300), tool_result=lognormal(700, 0.5, 100, 2500), output=(24, 64),
+                          tool_call_output=(16, 32)),
             "pacing": "interval",
             "interval_s": {"dist": "exponential", "mean": 1.5, "min": 0.3, "max": 5},
-            "slo": {"ttft_ms": 1000 * TARGETS_S["interactive"]},
-        }],
-    }
+            "slo": slo,
+        },
+    )
 
 
 def long_spec(name: str, rate: float, duration_s: float, seed: int, prefix_tokens: int, groups: int,
@@ -121,8 +105,8 @@ def long_spec(name: str, rate: float, duration_s: float, seed: int, prefix_token
         "arrival": {"process": "poisson", "rate": rate},
         "classes": [{
             "name": name,
-            "prompt_tokens": {"dist": "uniform_int", "min": prefix_tokens + unique[0], "max": prefix_tokens + unique[1]},
-            "output_tokens": {"dist": "uniform_int", "min": 32, "max": 96},
+            "prompt_tokens": uniform_int(prefix_tokens + unique[0], prefix_tokens + unique[1]),
+            "output_tokens": uniform_int(32, 96),
             "shared_prefix": {"groups": groups, "tokens": prefix_tokens},
             "slo": {"ttft_ms": 1000 * TARGETS_S[CLASS_OF[name]]},
         }],
@@ -641,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-s", type=float, default=24.0, help="seconds of the capacity run")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per run")
     parser.add_argument("--seed", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="(both are needed for the checks)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="(both are needed for the checks)")
     parser.add_argument("--quick", action="store_true", help="one round, 25 s runs")
     parser.add_argument("--out", help="results folder")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)

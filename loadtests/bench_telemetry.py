@@ -47,11 +47,13 @@ from typing import Any
 import httpx
 
 from gateway.launcher import GatewayProcess, start_gateway
+from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
 from gateway.telemetry import SpanBatcher, Telemetry
 from loadtests.bench_overhead import GW_CPU, LOAD_CPU
 from loadtests.replicas import pin, thread_cpu_seconds
 from policies.config import GatewayConfig
+from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime
 from pools.sim.launcher import start_sim
 
@@ -169,6 +171,7 @@ class _StubGateway:
                                         "endpoints": ["http://10.0.0.1:8000"]}], "telemetry": telemetry})
         self.pools = {p.name: PoolRuntime.from_config(p) for p in self.config.pools}
         self.clock = time.monotonic
+        self.precise = PreciseRouting(PrefixIndex(), self.clock)
 
 
 def hook_cost_us(telemetry: dict[str, Any], n: int = 20_000, chunks: int = 16) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -157,12 +157,16 @@ class LaunchSpec(BaseModel):
 
     @model_validator(mode="after")
     def _recipe_allows(self) -> LaunchSpec:
-        _refuse_incompatible(self)
+        reasons = incompatibilities(self)
+        if reasons:
+            raise LaunchError(reasons[0])
         return self
 
     def check_pool(self, pool: PoolLike) -> None:
         """Raise LaunchError if this spec cannot serve `pool` (called by the pool config's validator)."""
-        _build(self, pool, served_model=None)
+        reasons = pool_refusals(self, pool)
+        if reasons:
+            raise LaunchError(reasons[0])
 
 
 class PoolLike(Protocol):
@@ -312,7 +316,8 @@ def format_commands(commands: Sequence[ServeCommand], fmt: Literal["shell", "jso
         return json.dumps([c.to_json() for c in commands], indent=2) + "\n"
     blocks = []
     for c in commands:
-        header = f"# pool {c.pool}, {c.role + ' ' if c.role else ''}replica {c.replica}: image {c.image}, {c.gpus} GPU(s) ({c.gpu_resource}), port {c.port}"
+        header = (f"# pool {c.pool}, {c.role + ' ' if c.role else ''}replica {c.replica}: image {c.image}, "
+                  f"{c.gpus} GPU(s) ({c.gpu_resource}), port {c.port}")
         if c.kv_events_ports:
             header += f", KV events on {', '.join(map(str, c.kv_events_ports))}"
         blocks.append(f"{header}\n{c.shell}\n")
@@ -320,195 +325,349 @@ def format_commands(commands: Sequence[ServeCommand], fmt: Literal["shell", "jso
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The recipe, rule by rule
+# Refusals: what the recipe rules out, in its own words (the first reason is the one reported)
 
 
-def _refuse_incompatible(spec: LaunchSpec) -> None:
-    """Combinations the recipe rules out, checkable without the pool."""
+def refusals(spec: LaunchSpec, pool: PoolLike) -> list[str]:
+    """Why `spec` cannot launch `pool`'s replicas; [] when it can."""
+    return [*incompatibilities(spec), *pool_refusals(spec, pool)]
+
+
+def incompatibilities(spec: LaunchSpec) -> list[str]:
+    """Why the recipe rules out `spec` whatever the pool; [] when it does not."""
+    return [*_checkpoint_refusals(spec), *_feature_refusals(spec)]
+
+
+def _checkpoint_refusals(spec: LaunchSpec) -> list[str]:
+    """The checkpoint against the hardware and the GPUs of one replica."""
     hw, variant, gpus = spec.hardware, spec.variant, spec.gpus_per_replica
+    reasons = []
     if variant == "nvfp4" and hw not in BLACKWELL:
-        raise LaunchError(
+        reasons.append(
             f"variant nvfp4 on {hw}: the NVFP4 checkpoint is for NVIDIA Blackwell only (recipe: \"Quantized Variant "
             "(NVFP4 on Blackwell)\"; B200, B300 or GB200)"
         )
     if variant == "mxfp4" and hw != "mi355x":
-        raise LaunchError(
+        reasons.append(
             f"variant mxfp4 on {hw}: the recipe says amd/MiniMax-M3-MXFP4 \"targets AMD Instinct MI355X (gfx950)\""
         )
     if spec.is_amd and variant == "bf16" and gpus < 8:
-        raise LaunchError(f"bf16 on {hw} with {gpus} GPUs: the recipe says \"BF16 needs TP=8; the MXFP8 variant runs from TP=4.\"")
+        reasons.append(f"bf16 on {hw} with {gpus} GPUs: the recipe says \"BF16 needs TP=8; the MXFP8 variant runs "
+                       "from TP=4.\"")
     if spec.is_amd and variant == "mxfp8" and gpus < 4:
-        raise LaunchError(f"mxfp8 on {hw} with {gpus} GPUs: the recipe says \"the MXFP8 variant runs from TP=4.\"")
+        reasons.append(f"mxfp8 on {hw} with {gpus} GPUs: the recipe says \"the MXFP8 variant runs from TP=4.\"")
     per_node = GPUS_PER_NODE.get(hw, DEFAULT_GPUS_PER_NODE)
     if gpus > per_node:
-        raise LaunchError(
+        reasons.append(
             f"{gpus} GPUs per replica on {hw} spans nodes ({per_node} per node): multi-node strategies "
             "(recipe: \"multi-node strategies also need nodes=<n>\") are not rendered here"
         )
+    return reasons
+
+
+def _feature_refusals(spec: LaunchSpec) -> list[str]:
+    """Features the recipe keeps apart, or that need another setting."""
+    hw, variant = spec.hardware, spec.variant
+    reasons = []
     if spec.text_only is True and spec.encoder_parallel is True:
-        raise LaunchError(
-            "text_only with encoder_parallel: the recipe says Text only (--language-model-only) \"is mutually "
-            "exclusive with Encoder Parallel\""
-        )
+        reasons.append("text_only with encoder_parallel: the recipe says Text only (--language-model-only) \"is "
+                       "mutually exclusive with Encoder Parallel\"")
     if spec.online_quantization is not None and not (spec.is_amd and variant == "bf16"):
-        raise LaunchError(
+        reasons.append(
             f"online_quantization {spec.online_quantization} with {variant} on {hw}: the recipe's AMD "
-            "--quantization fp8_per_channel recipe says \"These env vars and the flag are for the BF16 checkpoint only.\""
+            "--quantization fp8_per_channel recipe says \"These env vars and the flag are for the BF16 checkpoint "
+            "only.\""
         )
     if spec.high_concurrency and not (hw == "mi355x" and variant == "mxfp8"):
-        raise LaunchError(
-            f"high_concurrency with {variant} on {hw}: the recipe documents it only as \"MXFP8 high-concurrency "
-            "options on MI355X\""
-        )
+        reasons.append(f"high_concurrency with {variant} on {hw}: the recipe documents it only as \"MXFP8 "
+                       "high-concurrency options on MI355X\"")
     draft_fields = {"draft_head", "draft_attention_backend", "draft_local_argmax_reduction"} & spec.model_fields_set
     if draft_fields and not spec.speculative_decoding:
-        raise LaunchError(f"{', '.join(sorted(draft_fields))} set but speculative_decoding is off")
+        reasons.append(f"{', '.join(sorted(draft_fields))} set but speculative_decoding is off")
     if spec.collect_detailed_traces is not None and spec.otlp_traces_endpoint is None:
-        raise LaunchError("collect_detailed_traces needs otlp_traces_endpoint")
+        reasons.append("collect_detailed_traces needs otlp_traces_endpoint")
     if spec.otlp_traces_protocol is not None and spec.otlp_traces_endpoint is None:
-        raise LaunchError("otlp_traces_protocol needs otlp_traces_endpoint")
+        reasons.append("otlp_traces_protocol needs otlp_traces_endpoint")
     if spec.kv_events and "PYTHONHASHSEED" in spec.extra_env:
-        raise LaunchError("PYTHONHASHSEED seeds vLLM's prefix hashes: with kv_events the gateway could not reproduce them")
-    if spec.kv_events:
-        ports = {*spec.kv_events_ports, spec.kv_events_replay_port}
-        if spec.port in ports:
-            raise LaunchError(f"port {spec.port} collides with the KV events ports {sorted(ports)}")
+        reasons.append("PYTHONHASHSEED seeds vLLM's prefix hashes: with kv_events the gateway could not reproduce them")
+    ports = {*spec.kv_events_ports, spec.kv_events_replay_port}
+    if spec.kv_events and spec.port in ports:
+        reasons.append(f"port {spec.port} collides with the KV events ports {sorted(ports)}")
     owned = sorted({a.split("=", 1)[0] for a in spec.extra_args} & OWNED_FLAGS)
     if owned:
-        raise LaunchError(f"extra_args sets {', '.join(owned)}: use the launch fields instead, the renderer owns them")
+        reasons.append(f"extra_args sets {', '.join(owned)}: use the launch fields instead, the renderer owns them")
+    return reasons
 
 
-def _build(spec: LaunchSpec, pool: PoolLike, served_model: str | None) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of one replica; raises LaunchError for what only the pool can reveal."""
-    hw, variant, amd = spec.hardware, spec.variant, spec.is_amd
+def pool_refusals(spec: LaunchSpec, pool: PoolLike) -> list[str]:
+    """What only the pool reveals: its block size, length and modalities against the spec, and `extra_env`
+    against the environment the recipe sets for this pool."""
+    reasons = []
     if pool.block_size != BLOCK_SIZE:
-        raise LaunchError(
-            f"pool block_size {pool.block_size}: the recipe says \"--block-size 128 is mandatory on every platform "
-            "(MSA sparse/index cache)\""
-        )
-    length = pool.max_model_len
-    if length > MAX_CONTEXT:
-        raise LaunchError(f"max_model_len {length} exceeds MiniMax-M3's full window (context_length: {MAX_CONTEXT})")
-    multimodal = any(m != "text" for m in pool.modalities)
-    if spec.text_only is True and multimodal:
-        raise LaunchError(
-            f"text_only on a pool accepting {', '.join(pool.modalities)}: --language-model-only skips loading the "
-            "vision encoder, so the replicas would reject images and video"
-        )
-    text_only = not multimodal if spec.text_only is None else spec.text_only
-    if text_only and spec.encoder_parallel is True:
-        raise LaunchError(
-            "encoder_parallel on a text-only pool: the recipe says Text only (--language-model-only) \"is mutually "
-            "exclusive with Encoder Parallel\""
-        )
+        reasons.append(f"pool block_size {pool.block_size}: the recipe says \"--block-size 128 is mandatory on every "
+                       "platform (MSA sparse/index cache)\"")
+    if pool.max_model_len > MAX_CONTEXT:
+        reasons.append(f"max_model_len {pool.max_model_len} exceeds MiniMax-M3's full window (context_length: "
+                       f"{MAX_CONTEXT})")
+    replica = ReplicaLaunch(spec, pool)
+    if spec.text_only is True and replica.multimodal:
+        reasons.append(f"text_only on a pool accepting {', '.join(pool.modalities)}: --language-model-only skips "
+                       "loading the vision encoder, so the replicas would reject images and video")
+    if replica.text_only and spec.encoder_parallel is True:
+        reasons.append("encoder_parallel on a text-only pool: the recipe says Text only (--language-model-only) \"is "
+                       "mutually exclusive with Encoder Parallel\"")
+    clash = sorted(set(spec.extra_env) & set(recipe_env(replica)))
+    if clash:
+        reasons.append(f"extra_env overrides {', '.join(clash)}, which the recipe sets for "
+                       f"{spec.hardware}/{spec.variant}")
+    return reasons
 
-    env: dict[str, str] = {}
-    args: list[str] = ["vllm", "serve", spec.checkpoint]
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipe, rule by rule: each rule is the (args, env) it adds to one replica's command, nothing when it does
+# not apply; `RULES` is their order on the command line.
+
+Fragment = tuple[list[str], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """What the rules read: the spec, the pool it launches, and the model id it serves under (None: unnamed)."""
+
+    spec: LaunchSpec
+    pool: PoolLike
+    served_model: str | None = None
+
+    @property
+    def multimodal(self) -> bool:
+        return any(m != "text" for m in self.pool.modalities)
+
+    @property
+    def text_only(self) -> bool:
+        """--language-model-only: the spec's choice, else exactly when the pool accepts only text."""
+        return not self.multimodal if self.spec.text_only is None else self.spec.text_only
+
+    @property
+    def beyond_native(self) -> bool:
+        return self.pool.max_model_len > NATIVE_CONTEXT
+
+
+def serve(r: ReplicaLaunch) -> Fragment:
+    """The checkpoint and its parallelism."""
+    spec = r.spec
+    args = ["vllm", "serve", spec.checkpoint]
     if spec.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.data_parallel_size > 1:
         args += ["--data-parallel-size", str(spec.data_parallel_size)]
     if spec.expert_parallel:
         args.append("--enable-expert-parallel")
-    if variant in ("nvfp4", "mxfp4"):
-        args.append("--trust-remote-code")
-    args += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(length)]
-    if text_only:
-        args.append("--language-model-only")
+    return args, {}
 
-    if variant == "nvfp4":
-        env["VLLM_FLOAT32_MATMUL_PRECISION"] = "high"
-    if amd:
-        # "It avoids the MiniMax-M3 decode breakable-cudagraph path that would otherwise force eager execution"
-        env["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
-        args += ["--attention-backend", "TRITON_ATTN"]
-    if spec.online_quantization == "fp8_per_channel":
-        env["VLLM_ROCM_USE_AITER"] = "1"
-        env["VLLM_ROCM_USE_AITER_MOE"] = "0"
-        args += ["--quantization", "fp8_per_channel"]
-    if hw == "mi300x" and variant == "mxfp8":
-        env.update({
-            "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
-            "VLLM_ROCM_USE_AITER": "1",
-            "VLLM_ROCM_USE_AITER_MHA": "0",
-            "TORCH_BLAS_PREFER_HIPBLASLT": "1",
-            "NCCL_MIN_NCHANNELS": "112",
-            "GPU_MAX_HW_QUEUES": "2",
-        })
-        args += ["--async-scheduling", "--max-num-batched-tokens", "16384"]
-    if hw == "mi355x" and variant == "mxfp8":
-        env.update({
-            "VLLM_ROCM_USE_AITER": "1",
-            "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
-            "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": "INT4",
-        })
-    if spec.high_concurrency:
-        env.update({
-            "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": "1",
-            "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16": "0",
-            "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION_MIN_SIZE_KB": "256",
-        })
-        args += ["--moe-backend", "aiter", "--max-num-batched-tokens", "32768", "--linear-backend", "emulation"]
 
-    beyond_native = length > NATIVE_CONTEXT
-    kv_dtype = spec.kv_cache_dtype
-    if kv_dtype is None:
-        # "TP=8 + fp8 KV is the practical combo at 1M"; the MI355X high-concurrency command carries it too.
-        kv_dtype = "fp8" if beyond_native or spec.high_concurrency else "auto"
-    if kv_dtype == "fp8":
-        args += ["--kv-cache-dtype", "fp8"]
-    if amd and beyond_native:
-        # "Native context is 512K. To go past it, supply a YaRN rope_scaling on the text config"
-        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-        args += ["--hf-overrides", json.dumps(YARN_OVERRIDES, separators=(",", ":"))]
+def remote_code(r: ReplicaLaunch) -> Fragment:
+    """The NVFP4 and MXFP4 checkpoints' commands carry --trust-remote-code."""
+    return (["--trust-remote-code"] if r.spec.variant in ("nvfp4", "mxfp4") else []), {}
 
-    encoder_flags = spec.encoder_parallel if spec.encoder_parallel is not None else (amd and not text_only)
-    if encoder_flags:
-        args += ["--mm-encoder-tp-mode", "data", "--mm-encoder-attn-backend", "ROCM_AITER_FA" if amd else "FLASHINFER"]
-        if spec.encoder_parallel is True:
-            args += ["--mm-processor-cache-type", "shm"]
 
-    if spec.speculative_decoding:
-        draft: dict[str, object] = {"method": "eagle3", "model": EAGLE3_DRAFTS[spec.draft_head], "num_speculative_tokens": 3}
-        backend = spec.draft_attention_backend or (None if amd else "FLASH_ATTN")
-        if backend is not None:
-            draft["attention_backend"] = backend
-        if spec.draft_local_argmax_reduction:
-            draft["use_local_argmax_reduction"] = True
-        args += ["--speculative-config", json.dumps(draft)]
+def block_and_length(r: ReplicaLaunch) -> Fragment:
+    """The mandatory block size, and the pool's context length."""
+    return ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(r.pool.max_model_len)], {}
 
-    args += ["--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3", "--enable-auto-tool-choice"]
 
-    # What the gateway needs from every replica.
-    if served_model is not None and served_model != spec.checkpoint:
-        args += ["--served-model-name", served_model]
-    args += ["--port", str(spec.port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-             "--enable-server-load-tracking"]
-    if pool.scheduling_policy != "fcfs":  # the gateway sends each request's class priority in the body
-        args += ["--scheduling-policy", pool.scheduling_policy]
-    if spec.kv_events:
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{spec.kv_events_port}",
-            "replay_endpoint": f"tcp://*:{spec.kv_events_replay_port}",
-            "topic": "kv",
-        }
-        args += ["--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", json.dumps(events, separators=(",", ":"))]
-    if spec.otlp_traces_endpoint is not None:
-        args += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
-        env["OTEL_SERVICE_NAME"] = f"vllm-{pool.name}"
-        protocol = spec.otlp_traces_protocol
-        if protocol is None and spec.otlp_traces_endpoint.split("?", 1)[0].rstrip("/").endswith("/v1/traces"):
-            protocol = "http/protobuf"
-        if protocol is not None:
-            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol
-        if spec.collect_detailed_traces is not None:
-            args += ["--collect-detailed-traces", spec.collect_detailed_traces]
-    args += list(spec.extra_args)
+def language_model_only(r: ReplicaLaunch) -> Fragment:
+    """Text only skips loading the vision encoder."""
+    return (["--language-model-only"] if r.text_only else []), {}
 
-    clash = sorted(set(spec.extra_env) & set(env))
-    if clash:
-        raise LaunchError(f"extra_env overrides {', '.join(clash)}, which the recipe sets for {hw}/{variant}")
+
+def nvfp4_precision(r: ReplicaLaunch) -> Fragment:
+    return [], ({"VLLM_FLOAT32_MATMUL_PRECISION": "high"} if r.spec.variant == "nvfp4" else {})
+
+
+def amd_baseline(r: ReplicaLaunch) -> Fragment:
+    """Every AMD command: CUDA graphs without the breakable path, Triton attention."""
+    if not r.spec.is_amd:
+        return [], {}
+    return ["--attention-backend", "TRITON_ATTN"], {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
+
+
+def online_fp8(r: ReplicaLaunch) -> Fragment:
+    """AMD, BF16 checkpoint: online per-channel FP8 (PTPC)."""
+    if r.spec.online_quantization != "fp8_per_channel":
+        return [], {}
+    return ["--quantization", "fp8_per_channel"], {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "0"}
+
+
+def mi300x_mxfp8(r: ReplicaLaunch) -> Fragment:
+    """MXFP8 on MI300X: the InferenceX tuning's environment and scheduling levers."""
+    if not (r.spec.hardware == "mi300x" and r.spec.variant == "mxfp8"):
+        return [], {}
+    env = {
+        "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
+        "VLLM_ROCM_USE_AITER": "1",
+        "VLLM_ROCM_USE_AITER_MHA": "0",
+        "TORCH_BLAS_PREFER_HIPBLASLT": "1",
+        "NCCL_MIN_NCHANNELS": "112",
+        "GPU_MAX_HW_QUEUES": "2",
+    }
+    return ["--async-scheduling", "--max-num-batched-tokens", "16384"], env
+
+
+def mi355x_mxfp8(r: ReplicaLaunch) -> Fragment:
+    """MXFP8 on MI355X: AITER kernels, fused shared experts, INT4 QuickReduce."""
+    if not (r.spec.hardware == "mi355x" and r.spec.variant == "mxfp8"):
+        return [], {}
+    return [], {
+        "VLLM_ROCM_USE_AITER": "1",
+        "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1",
+        "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": "INT4",
+    }
+
+
+def high_concurrency(r: ReplicaLaunch) -> Fragment:
+    """MI355X MXFP8 at long context and high concurrency: AITER page-16 sparse paged attention."""
+    if not r.spec.high_concurrency:
+        return [], {}
+    env = {
+        "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": "1",
+        "VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16": "0",
+        "VLLM_ROCM_QUICK_REDUCE_QUANTIZATION_MIN_SIZE_KB": "256",
+    }
+    return ["--moe-backend", "aiter", "--max-num-batched-tokens", "32768", "--linear-backend", "emulation"], env
+
+
+def kv_cache_dtype(r: ReplicaLaunch) -> Fragment:
+    """FP8 KV when asked, else past the native context ("TP=8 + fp8 KV is the practical combo at 1M") and in the
+    MI355X high-concurrency command, which carries it."""
+    dtype = r.spec.kv_cache_dtype
+    if dtype is None:
+        dtype = "fp8" if r.beyond_native or r.spec.high_concurrency else "auto"
+    return (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else []), {}
+
+
+def amd_long_context(r: ReplicaLaunch) -> Fragment:
+    """AMD past the native 512K: a YaRN rope_scaling on the text config, and the long max length allowed."""
+    if not (r.spec.is_amd and r.beyond_native):
+        return [], {}
+    return ["--hf-overrides", json.dumps(YARN_OVERRIDES, separators=(",", ":"))], {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+
+
+def encoder_parallel(r: ReplicaLaunch) -> Fragment:
+    """The vision encoder data-parallel with its attention backend (the AMD multimodal commands' default); the
+    shared-memory processor cache only when Encoder Parallel is asked for."""
+    spec = r.spec
+    wanted = spec.encoder_parallel if spec.encoder_parallel is not None else (spec.is_amd and not r.text_only)
+    if not wanted:
+        return [], {}
+    backend = "ROCM_AITER_FA" if spec.is_amd else "FLASHINFER"
+    args = ["--mm-encoder-tp-mode", "data", "--mm-encoder-attn-backend", backend]
+    if spec.encoder_parallel is True:
+        args += ["--mm-processor-cache-type", "shm"]
+    return args, {}
+
+
+def speculative(r: ReplicaLaunch) -> Fragment:
+    """EAGLE3 with 3 speculative tokens: the MHA or GQA draft head, FLASH_ATTN draft attention on NVIDIA."""
+    spec = r.spec
+    if not spec.speculative_decoding:
+        return [], {}
+    draft: dict[str, object] = {"method": "eagle3", "model": EAGLE3_DRAFTS[spec.draft_head],
+                                "num_speculative_tokens": 3}
+    backend = spec.draft_attention_backend or (None if spec.is_amd else "FLASH_ATTN")
+    if backend is not None:
+        draft["attention_backend"] = backend
+    if spec.draft_local_argmax_reduction:
+        draft["use_local_argmax_reduction"] = True
+    return ["--speculative-config", json.dumps(draft)], {}
+
+
+def parsers(r: ReplicaLaunch) -> Fragment:
+    """Both parsers are minimax_m3, with automatic tool choice."""
+    return ["--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3", "--enable-auto-tool-choice"], {}
+
+
+def served_model_name(r: ReplicaLaunch) -> Fragment:
+    """The gateway's model id, when it is not the checkpoint's."""
+    model = r.served_model
+    return (["--served-model-name", model] if model is not None and model != r.spec.checkpoint else []), {}
+
+
+def gateway_observes(r: ReplicaLaunch) -> Fragment:
+    """What the gateway reads from every replica: prefix caching, cached-token counts, the server's load."""
+    return ["--port", str(r.spec.port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--enable-server-load-tracking"], {}
+
+
+def scheduling_policy(r: ReplicaLaunch) -> Fragment:
+    """Priority scheduling: the gateway sends each request's class priority in the body."""
+    policy = r.pool.scheduling_policy
+    return (["--scheduling-policy", policy] if policy != "fcfs" else []), {}
+
+
+def kv_events(r: ReplicaLaunch) -> Fragment:
+    """KV events for precise prefix routing, with a hash the gateway can reproduce in Python (sha256_cbor)."""
+    spec = r.spec
+    if not spec.kv_events:
+        return [], {}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{spec.kv_events_port}",
+        "replay_endpoint": f"tcp://*:{spec.kv_events_replay_port}",
+        "topic": "kv",
+    }
+    config = json.dumps(events, separators=(",", ":"))
+    return ["--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", config], {}
+
+
+def tracing(r: ReplicaLaunch) -> Fragment:
+    """vLLM's OTLP traces, named after the pool; http/protobuf towards a `/v1/traces` receiver (the gateway's)."""
+    spec = r.spec
+    endpoint = spec.otlp_traces_endpoint
+    if endpoint is None:
+        return [], {}
+    args = ["--otlp-traces-endpoint", endpoint]
+    env = {"OTEL_SERVICE_NAME": f"vllm-{r.pool.name}"}
+    protocol = spec.otlp_traces_protocol
+    if protocol is None and endpoint.split("?", 1)[0].rstrip("/").endswith("/v1/traces"):
+        protocol = "http/protobuf"
+    if protocol is not None:
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol
+    if spec.collect_detailed_traces is not None:
+        args += ["--collect-detailed-traces", spec.collect_detailed_traces]
+    return args, env
+
+
+def extra_args(r: ReplicaLaunch) -> Fragment:
+    return list(r.spec.extra_args), {}
+
+
+RULES: tuple[Callable[[ReplicaLaunch], Fragment], ...] = (
+    serve, remote_code, block_and_length, language_model_only, nvfp4_precision, amd_baseline, online_fp8,
+    mi300x_mxfp8, mi355x_mxfp8, high_concurrency, kv_cache_dtype, amd_long_context, encoder_parallel, speculative,
+    parsers, served_model_name, gateway_observes, scheduling_policy, kv_events, tracing, extra_args,
+)
+
+
+def recipe_env(r: ReplicaLaunch) -> dict[str, str]:
+    """The environment the rules set for this replica (what `extra_env` may not override)."""
+    env: dict[str, str] = {}
+    for rule in RULES:
+        env.update(rule(r)[1])
+    return env
+
+
+def _build(spec: LaunchSpec, pool: PoolLike, served_model: str | None) -> Fragment:
+    """argv and environment of one replica; raises LaunchError for what only the pool can reveal."""
+    reasons = pool_refusals(spec, pool)
+    if reasons:
+        raise LaunchError(reasons[0])
+    replica = ReplicaLaunch(spec, pool, served_model)
+    args: list[str] = []
+    env: dict[str, str] = {}
+    for rule in RULES:
+        more_args, more_env = rule(replica)
+        args += more_args
+        env.update(more_env)
     env.update(spec.extra_env)
     return args, env

@@ -1,6 +1,6 @@
 """Which vLLM blocks each replica holds *now*, from its own KV events, and the hybrid matcher routing reads.
 
-`ExactIndex` is fed by pools/kv_events.py: BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared empties
+`ExactIndex` is fed by pools/kv_events/: BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared empties
 a replica. Unlike the approximate index (pools/prefix_index.py, what the gateway *sent*), it sees evictions, blocks
 filled by other gateways or clients, and restarts. It is keyed by event *source*: one per replica, or one per data-
 parallel rank (each rank has its own cache); queries answer per replica, the best rank counting.
@@ -116,7 +116,7 @@ class ExactIndex:
     def replicas(self) -> list[str]:
         return list(self._replicas)
 
-    # -- events (pools/kv_events.py) ----------------------------------------------------------------------------
+    # -- events (pools/kv_events/) ------------------------------------------------------------------------------
 
     def stored(self, source: str, hashes: Iterable[int]) -> None:
         state = self._sources.get(source)

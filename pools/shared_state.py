@@ -31,7 +31,7 @@ import secrets
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
@@ -341,10 +341,15 @@ class RedisState:
             await self._sync_position()  # fix `$` now: what others publish once start() returns is read
         except _REDIS_ERRORS as exc:  # a RedisError (e.g. NOAUTH) also means: route locally
             self._lost(exc, self._epoch)
+        loops = (
+            ("flush", "flush", self._flush_step, False, self.flush_interval_s),
+            ("read", "stream read", self._read_step, True, self.poll_interval_s),
+            ("poll", "in-flight poll", self._poll_step, True, self.poll_interval_s),
+        )
         self._tasks = [
-            asyncio.create_task(self._flush_loop(), name="shared-state-flush"),
-            asyncio.create_task(self._read_loop(), name="shared-state-read"),
-            asyncio.create_task(self._poll_loop(), name="shared-state-poll"),
+            asyncio.create_task(self._supervised(name, what, step, wait_up=wait_up, pause_after_error_s=pause),
+                                name=f"shared-state-{name}")
+            for name, what, step, wait_up, pause in loops
         ]
 
     async def stop(self) -> None:
@@ -454,29 +459,44 @@ class RedisState:
         await self._client.ping()
         self._recovered()
 
-    # -- flusher -------------------------------------------------------------------------------------------------
-
-    async def _flush_loop(self) -> None:
+    async def _supervised(self, name: str, what: str, step: Callable[[], Awaitable[float]], *, wait_up: bool,
+                          pause_after_error_s: float) -> None:
+        """Run `step` until stop, never letting it end the loop: a lost connection means `_lost` (route locally until
+        a PING answers), a command error is counted and logged once per kind, a bug once with its traceback. `step`
+        returns how long to idle before its next turn; `wait_up`: only run while Redis is reachable."""
         while not self._stopping:
+            if wait_up:
+                await self._up.wait()
+                if self._stopping:
+                    return
             epoch = self._epoch
-            delay = self.flush_interval_s
             try:
-                if not self.available:
-                    await self._reconnect()
-                    continue
-                await self.flush()
-                if len(self._buffer) >= self.max_batch or \
-                        (self.sessions is not None and self.sessions.pending_events() >= self.max_batch):
-                    delay = 0.0  # a backlog (after an outage): keep going, one batch per loop turn
+                pause = await step()
             except _CONNECTION_ERRORS as exc:
                 self._lost(exc, epoch)
                 continue
             except RedisError as exc:  # a command error (e.g. WRONGTYPE, OOM): the connection is fine
                 self.counters.errors += 1
-                self._log_once(f"flush:{type(exc).__name__}", "shared state: flush failed: %s", exc)
+                self._log_once(f"{name}:{type(exc).__name__}", "shared state: %s failed: %s", what, exc)
+                pause = pause_after_error_s
             except Exception:  # a bug must not stop sharing for the process's lifetime
-                self._log_bug_once("flush:bug", "flush")
-            await self._idle(delay)
+                self._log_bug_once(f"{name}:bug", what)
+                pause = pause_after_error_s
+            await self._idle(pause)
+
+    # -- flusher -------------------------------------------------------------------------------------------------
+
+    async def _flush_step(self) -> float:
+        """Reconnect while Redis is away, else publish; no pause while a backlog (after an outage) drains, one batch
+        per turn."""
+        if not self.available:
+            await self._reconnect()
+            return 0.0
+        await self.flush()
+        if len(self._buffer) >= self.max_batch or \
+                (self.sessions is not None and self.sessions.pending_events() >= self.max_batch):
+            return 0.0
+        return self.flush_interval_s
 
     def _take_batch(self) -> list[tuple[str, str, RoutingRequest]]:
         buffer = self._buffer
@@ -527,29 +547,16 @@ class RedisState:
 
     # -- reader --------------------------------------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        while True:
-            await self._up.wait()
-            if self._stopping:
-                return
-            epoch = self._epoch
-            try:
-                if self._check_tail:
-                    await self._sync_position()
-                assert self._last_id is not None
-                response = await self._client.xread({self.stream_key: self._last_id}, count=_READ_BATCHES,
-                                                    block=self.read_block_ms)
-                if response:  # RESP2 (the client's protocol): [[stream, [(id, {field: value}), ...]]]
-                    await self._apply(cast(_Streams, response)[0][1])
-            except _CONNECTION_ERRORS as exc:
-                self._lost(exc, epoch)
-            except RedisError as exc:
-                self.counters.errors += 1
-                self._log_once(f"read:{type(exc).__name__}", "shared state: stream read failed: %s", exc)
-                await self._idle(self.poll_interval_s)
-            except Exception:
-                self._log_bug_once("read:bug", "stream read")
-                await self._idle(self.poll_interval_s)
+    async def _read_step(self) -> float:
+        """One blocking XREAD of other gateways' entries (it waits up to read_block_ms itself: no pause after)."""
+        if self._check_tail:
+            await self._sync_position()
+        assert self._last_id is not None
+        response = await self._client.xread({self.stream_key: self._last_id}, count=_READ_BATCHES,
+                                            block=self.read_block_ms)
+        if response:  # RESP2 (the client's protocol): [[stream, [(id, {field: value}), ...]]]
+            await self._apply(cast(_Streams, response)[0][1])
+        return 0.0
 
     async def _sync_position(self) -> None:
         """At start read only what comes next (XREAD `$`, without missing what is added before the first read);
@@ -614,23 +621,9 @@ class RedisState:
 
     # -- poller --------------------------------------------------------------------------------------------------
 
-    async def _poll_loop(self) -> None:
-        while True:
-            await self._up.wait()
-            if self._stopping:
-                return
-            epoch = self._epoch
-            try:
-                await self.poll()
-            except _CONNECTION_ERRORS as exc:
-                self._lost(exc, epoch)
-                continue
-            except RedisError as exc:
-                self.counters.errors += 1
-                self._log_once(f"poll:{type(exc).__name__}", "shared state: in-flight poll failed: %s", exc)
-            except Exception:
-                self._log_bug_once("poll:bug", "in-flight poll")
-            await self._idle(self.poll_interval_s)
+    async def _poll_step(self) -> float:
+        await self.poll()
+        return self.poll_interval_s
 
     async def poll(self) -> None:
         """Sum the other live gateways' in-flight snapshots per replica; forget gateways whose snapshot expired."""

@@ -1,6 +1,6 @@
 """Gateway-side exact tokenization: a request's prompt token ids as the replicas compute them, then vLLM block hashes.
 
-Precise prefix routing (pools/kv_events.py, pools/exact_index.py) compares the blocks a replica says it holds with the
+Precise prefix routing (pools/kv_events/, pools/exact_index.py) compares the blocks a replica says it holds with the
 blocks of the request. Both must come from the same token ids, so the gateway tokenizes the prompt exactly as vLLM's
 frontend does, by one of two sources (`precise.tokenizer` in the pool config):
 

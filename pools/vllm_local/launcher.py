@@ -1,9 +1,7 @@
 """Start and stop real vLLM CPU servers serving the tiny model, for tests, benchmarks and `make vllm-up`.
 
-Each server is `python -m vllm.entrypoints.openai.api_server` from the separate vLLM virtualenv, in its own process
-group (API server, engine core and worker are stopped together), on a free 127.0.0.1 port, logging to a file under
-the cache folder. Starting takes about a minute alone and two to three when three start at once on two cores, so
-servers are spawned together and awaited together. The calls here block: use them from fixtures, CLIs or
+Each server is `python -m vllm.entrypoints.openai.api_server` from the separate vLLM virtualenv, on free 127.0.0.1
+ports, started, awaited and stopped by processes.py. The calls here block: use them from fixtures, CLIs or
 `asyncio.to_thread`, never on an event loop.
 """
 
@@ -13,19 +11,22 @@ import argparse
 import contextlib
 import os
 import signal
-import random
-import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import httpx
-
 from pools.vllm_local import paths
+from pools.vllm_local.processes import (
+    Command,
+    PendingServer,
+    VllmServer,
+    VllmStartError,
+    raise_interrupt,
+    start_together,
+    stop_all,
+)
 from pools.vllm_local.tiny_model import ensure_tiny_model
 
 SERVED_MODEL_NAME = "MiniMaxAI/MiniMax-M3"
@@ -38,54 +39,6 @@ MINIMAX_PARSER_ARGS: tuple[str, ...] = (
     "--enable-auto-tool-choice",
 )  # fmt: skip
 DEFAULT_START_TIMEOUT_S = 480.0
-_PORT_ATTEMPTS = 3
-_LOGS_KEPT = 60
-
-
-class VllmStartError(RuntimeError):
-    """A server did not become healthy; the message carries the tail of its log."""
-
-
-@dataclass
-class VllmServer:
-    """One running server. `pid` leads its process group."""
-
-    url: str
-    port: int
-    pid: int
-    max_model_len: int
-    model_dir: Path
-    log_path: Path
-    args: tuple[str, ...]
-    start_seconds: float = 0.0
-    ports: dict[str, int] = field(default_factory=dict)  # placeholder name -> port, e.g. {"kv_port": 41234}
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the whole group (vLLM shuts its engine down cleanly), SIGKILL what is left after `timeout`."""
-        stop_all([self], timeout=timeout)
-
-    def kill(self) -> None:
-        _signal_group(self.pid, signal.SIGKILL)
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=10)
-
-    def rss_bytes(self) -> int:
-        """Resident memory of every process of the server (shared pages are counted once per process)."""
-        total = 0
-        for pid in _group_members(self.pid):
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        return total
-
-    def log_tail(self, lines: int = 60) -> str:
-        return _tail(self.log_path, lines)
 
 
 def server_args(
@@ -141,21 +94,19 @@ def start_servers(
     python = paths.vllm_python()
     if not python.exists():
         raise VllmStartError(f"{python} is missing: run `make vllm-env` (scripts/install-vllm.sh) first")
-    model_dir = model_dir or ensure_tiny_model()
-    paths.log_dir().mkdir(parents=True, exist_ok=True)
-    _prune_logs(keep=_LOGS_KEPT)
-    pending = [
-        _Pending(max_model_len=n, model_dir=model_dir, parsers=parsers, extra_args=tuple(extra_args), env=env)
-        for n in max_model_lens
-    ]
-    try:
-        for launch in pending:
-            launch.spawn(python)
-        _wait_all_healthy(pending, timeout, cancel or threading.Event())
-    except BaseException:
-        stop_all([launch.server() for launch in pending if launch.proc is not None], timeout=5.0)
-        raise
-    return [launch.server() for launch in pending]
+    folder = model_dir or ensure_tiny_model()
+    placeholders = tuple(name for name in ("kv_port", "kv_replay_port")
+                         if any(f"{{{name}}}" in arg for arg in extra_args))
+
+    def command_for(max_model_len: int) -> Command:
+        def command(ports: Mapping[str, int]) -> tuple[tuple[str, ...], dict[str, str]]:
+            filled = [fill_ports(arg, ports) for arg in extra_args]
+            args = server_args(folder, max_model_len, ports["port"], parsers=parsers, extra_args=filled)
+            return tuple(args), server_env(env)
+        return command
+
+    pending = [PendingServer(python, n, folder, command_for(n), placeholders) for n in max_model_lens]
+    return start_together(pending, timeout, cancel)
 
 
 def start_server(max_model_len: int, **kwargs: object) -> VllmServer:
@@ -173,112 +124,6 @@ def running_servers(max_model_lens: Sequence[int], **kwargs: object) -> Iterator
         stop_all(servers)
 
 
-def stop_all(servers: Sequence[VllmServer], timeout: float = 20.0) -> None:
-    """SIGTERM every group first, then wait: stopping three one after another would triple the wait."""
-    for server in servers:
-        _signal_group(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while any(_group_members(s.pid) for s in servers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for server in servers:
-        server.kill()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    """A server being started; retried on another port if the one picked was taken meanwhile."""
-
-    max_model_len: int
-    model_dir: Path
-    parsers: bool
-    extra_args: tuple[str, ...]
-    env: dict[str, str] | None
-    port: int = 0
-    ports: dict[str, int] = field(default_factory=dict)
-    attempts: int = 0
-    spawned_at: float = 0.0
-    healthy_after: float | None = None
-    log_path: Path = Path()
-    args: tuple[str, ...] = ()
-    proc: subprocess.Popen[bytes] | None = None
-
-    def spawn(self, python: Path) -> None:
-        self.attempts += 1
-        self.port = _free_port()
-        self.ports = {"port": self.port}
-        for name in ("kv_port", "kv_replay_port"):
-            if any(f"{{{name}}}" in arg for arg in self.extra_args):
-                self.ports[name] = _free_port()
-        extra = tuple(_fill(arg, self.ports) for arg in self.extra_args)
-        self.args = tuple(
-            server_args(self.model_dir, self.max_model_len, self.port, parsers=self.parsers, extra_args=extra)
-        )
-        self.log_path = paths.log_dir() / f"vllm-{self.max_model_len}-{self.port}-{int(time.time())}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(python), "-m", "vllm.entrypoints.openai.api_server", *self.args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=server_env(self.env),
-                cwd=paths.cache_dir(),
-                start_new_session=True,  # its own process group, so the engine and worker stop with it
-            )
-        self.spawned_at = time.monotonic()
-
-    def server(self) -> VllmServer:
-        assert self.proc is not None
-        return VllmServer(
-            url=f"http://127.0.0.1:{self.port}",
-            port=self.port,
-            pid=self.proc.pid,
-            max_model_len=self.max_model_len,
-            model_dir=self.model_dir,
-            log_path=self.log_path,
-            args=self.args,
-            start_seconds=self.healthy_after or 0.0,
-            ports=dict(self.ports),
-            _proc=self.proc,
-        )
-
-
-def _wait_all_healthy(pending: list[_Pending], timeout: float, cancel: threading.Event) -> None:
-    python = paths.vllm_python()
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while True:
-            waiting = [p for p in pending if p.healthy_after is None]
-            if not waiting:
-                return
-            for launch in waiting:
-                assert launch.proc is not None
-                if launch.proc.poll() is not None:
-                    tail = _tail(launch.log_path, 60)
-                    # the whole log of this attempt: the bind error is followed by 60+ lines of shutdown tracebacks
-                    if _port_clash(launch.log_path) and launch.attempts < _PORT_ATTEMPTS:
-                        _signal_group(launch.proc.pid, signal.SIGKILL)
-                        launch.spawn(python)
-                        continue
-                    raise VllmStartError(
-                        f"vLLM (--max-model-len {launch.max_model_len}) exited with rc={launch.proc.returncode} "
-                        f"while starting; log {launch.log_path}:\n{tail}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"http://127.0.0.1:{launch.port}/health").status_code == 200:
-                        launch.healthy_after = time.monotonic() - launch.spawned_at
-            if time.monotonic() > deadline:
-                late = next(p for p in pending if p.healthy_after is None)
-                raise VllmStartError(
-                    f"vLLM (--max-model-len {late.max_model_len}) not healthy after {timeout:.0f}s; "
-                    f"log {late.log_path}:\n{_tail(late.log_path, 60)}"
-                )
-            if cancel.wait(1.0):
-                raise VllmStartError("start cancelled")
-
-
 def kv_events_args(topic: str = "kv") -> list[str]:
     """`--kv-events-config` publishing on 127.0.0.1-reachable ports picked per server (`*` binds; see the contract).
 
@@ -291,81 +136,11 @@ def kv_events_args(topic: str = "kv") -> list[str]:
     return ["--kv-events-config", config]
 
 
-def _fill(arg: str, ports: dict[str, int]) -> str:
+def fill_ports(arg: str, ports: Mapping[str, int]) -> str:
+    """`arg` with each `{name}` placeholder replaced by the port picked for it."""
     for name, value in ports.items():
         arg = arg.replace(f"{{{name}}}", str(value))
     return arg
-
-
-def _free_port() -> int:
-    """A port free now, chosen BELOW the kernel's ephemeral range (32768+): a server binds it a minute or two later,
-    and in between every outgoing connection on the machine takes ephemeral ports, so one from that range is often
-    gone by then ("Address already in use")."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry.name))
-    return members
-
-
-def _prune_logs(keep: int) -> None:
-    """Every start writes a log; keep the newest few so the cache folder does not grow without bound."""
-    def mtime(path: Path) -> float:
-        try:
-            return path.stat().st_mtime
-        except OSError:  # removed meanwhile by another session's prune
-            return 0.0
-
-    logs = sorted(paths.log_dir().glob("vllm-*.log"), key=mtime, reverse=True)
-    for old in logs[keep:]:
-        old.unlink(missing_ok=True)
-
-
-def _port_clash(path: Path) -> bool:
-    """A port the server was given was taken by the time it bound it (each attempt writes its own log)."""
-    try:
-        return "Address already in use" in path.read_text(errors="replace")
-    except OSError:
-        return False
-
-
-def _tail(path: Path, lines: int) -> str:
-    """The log's last lines, without pip's index warnings that bury the real error."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"(no log: {exc})"
-    kept = [line for line in text.splitlines() if not line.startswith("WARNING: Location")]
-    return "\n".join(kept[-lines:])
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more api_server arguments for all")
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill PID` must stop the servers too, not orphan them
+    signal.signal(signal.SIGTERM, raise_interrupt)  # `kill PID` must stop the servers too, not orphan them
     print(f"starting {len(args.max_model_len)} vLLM server(s); logs in {paths.log_dir()}", flush=True)
     began = time.monotonic()
     servers = start_servers(args.max_model_len, parsers=not args.no_parsers, extra_args=extra, timeout=args.timeout)

