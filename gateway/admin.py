@@ -169,6 +169,14 @@ async def admin_sessions(request: Request) -> Response:
                                       "ended": store.counters.ended}})
 
 
+async def admin_capacity(request: Request) -> Response:
+    """Per pool and role: current and desired replicas, the bottleneck, predicted p95s at both counts, the demand
+    (gateway/capacity.py)."""
+    if (denied := _authorized(request)) is not None:
+        return denied
+    return JSONResponse(request.app.state.gateway.capacity.view())
+
+
 def admin_routes() -> list[Route]:
     return [
         Route("/admin/pools", pools, methods=["GET"]),
@@ -179,4 +187,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/config", effective_config, methods=["GET"]),
         Route("/admin/traffic", admin_traffic, methods=["GET"]),
         Route("/admin/sessions", admin_sessions, methods=["GET"]),
+        Route("/admin/capacity", admin_capacity, methods=["GET"]),
     ]

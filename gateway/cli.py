@@ -82,6 +82,39 @@ def _cmd_contract(args: argparse.Namespace) -> int:
     return 1 if contract.verdicts and not passed(contract) else 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from gateway.plan import ClassLoad, PlanError, plan, read_trace, to_markdown, trace_loads
+    from policies.capacity import EngineCosts
+    from policies.config import ConfigError, load_config
+
+    if (args.workload is None) == (args.prometheus is None):
+        print("m3gate plan: give --workload FILE or --prometheus URL (one of them)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.path)
+        if args.workload is not None:
+            loads, source = trace_loads(config, read_trace(args.workload), args.peak_window_s)
+        else:
+            from pools.prometheus import PrometheusError, observe_demand
+
+            try:
+                observed = observe_demand(args.prometheus, args.window)
+            except PrometheusError as exc:
+                print(f"m3gate plan: {exc}", file=sys.stderr)
+                return 2
+            loads = {pool: {cls: ClassLoad(**d) for cls, d in classes.items()} for pool, classes in observed.items()}
+            source = {"window": args.window, "peak_step": "1m"}
+    except (ConfigError, PlanError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    costs = EngineCosts(args.prefill_step_ms / 1000, args.prefill_ms_per_1k / 1000, args.decode_step_ms / 1000,
+                        args.decode_ms_per_seq / 1000, args.decode_ms_per_seq_1k / 1000)
+    result = plan(config, loads, costs, source)
+    print(json.dumps(result, indent=2) if args.json else to_markdown(result, args.workload or args.prometheus),
+          end="\n" if args.json else "")
+    return 0
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from pools.sim.cli import run
 
@@ -153,6 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", default="1h", help="PromQL range for the check (default 1h)")
     p.add_argument("--rules", metavar="FILE", help="write the SLO recording and alerting rules (YAML) here")
     p.set_defaults(func=_cmd_contract)
+
+    p = sub.add_parser("plan", help="replicas per pool (and prefill/decode split) the targets need at a workload",
+                       description="Sizes every pool and role with the capacity model (queueing included) at a "
+                       "loadtests trace's demand (or the one a Prometheus measured): replicas at its mean and at its busiest window, the bottleneck, the "
+                       "predicted TTFT/TPOT p95 per class against traffic.classes.*.targets.")
+    p.add_argument("path", help="pool config YAML")
+    p.add_argument("--workload", metavar="FILE", help="a trace (JSONL, m3gate or Mooncake format) or a workload "
+                   "YAML that replays one")
+    p.add_argument("--prometheus", metavar="URL", help="instead: the demand a Prometheus measured (it scrapes the "
+                   "gateways)")
+    p.add_argument("--window", default="1h", help="with --prometheus: the PromQL range (default 1h)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.add_argument("--peak-window-s", type=float, default=60.0, help="the peak is the busiest window this long")
+    p.add_argument("--prefill-step-ms", type=float, default=20.0, help="fixed cost of a prefill step")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=60.0, help="prefill cost per 1K uncached tokens")
+    p.add_argument("--decode-step-ms", type=float, default=20.0, help="fixed cost of a decode step")
+    p.add_argument("--decode-ms-per-seq", type=float, default=0.2, help="decode step cost per sequence")
+    p.add_argument("--decode-ms-per-seq-1k", type=float, default=0.02,
+                   help="decode step cost per sequence per 1K tokens of context")
+    p.set_defaults(func=_cmd_plan)
 
     try:
         _add_sim(sub)

@@ -480,6 +480,7 @@ class Coordinator:
             ids = record.trace
             gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)
         gw.recent.add(record)  # the status page's waterfall (a comparison while no page is open)
+        gw.capacity.observe(record)  # demand and decode cost behind the capacity signal
         gw.telemetry.finish(record)
 
     def _learn_from_answer(self, record: RequestRecord, usage: dict[str, Any]) -> None:

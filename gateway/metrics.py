@@ -594,6 +594,14 @@ class ReplicaCollector:
             replicas.add_metric([name], float(count))
             live.add_metric([name], float(up))
         yield from (healthy, available, ejections, in_flight, waiting, running, kv, queries, hits, age, replicas, live)
+        capacity = getattr(gw, "capacity", None)
+        if capacity is not None:  # the capacity signal (gateway/capacity.py): what an autoscaler follows
+            desired = GaugeMetricFamily("m3gate_pool_desired_replicas", "Replicas the pool role needs for its "
+                                        "classes' TTFT/TPOT p95 targets at the current demand, queueing included "
+                                        "(stabilized; role: both, prefill or decode).", labels=["pool", "role"])
+            for (name, role), value in sorted(capacity.desired().items()):
+                desired.add_metric([name, role], float(value))
+            yield desired
         estimates = getattr(gw, "estimates", None)
         if estimates is not None:
             ratio = GaugeMetricFamily("m3gate_token_estimate_ratio", "Prompt tokens the pool's replicas count ÷ the "

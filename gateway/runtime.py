@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from gateway.admission import TrafficControl
+from gateway.capacity import CapacitySignal
 from gateway.discovery import DiscoveryManager
 from gateway.precise import PreciseRouting
 from gateway.recent import RecentRequests
@@ -61,6 +62,7 @@ class Gateway:
             sessions=self.sessions.store if self.sessions is not None and shares else None,
         )
         self.traffic = TrafficControl(config, clock, self.pool_saturated)
+        self.capacity = CapacitySignal(self)  # replicas each pool role needs (m3gate_pool_desired_replicas)
 
     # config ------------------------------------------------------------------------------------------------
     def _apply_config(self, config: GatewayConfig) -> None:
@@ -135,8 +137,10 @@ class Gateway:
         await self.shared.start()
         await self.traffic.start()
         await self.precise.start(self.session, self.pools)
+        self.capacity.start()
 
     async def stop(self) -> None:
+        await self.capacity.stop()
         await self.watches.stop()
         await self.precise.stop()
         await self.discovery.stop()

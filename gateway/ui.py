@@ -95,6 +95,7 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
     view = replica_view(gw)
     config = gw.config
     by_size = config.pools_by_size()
+    sizing = gw.capacity.entries  # the capacity signal per (pool, role) (gateway/capacity.py)
     out = []
     for name, pool_view in view.items():
         runtime = gw.pools[name]
@@ -132,6 +133,8 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
             "precise": precise is not None,
             "launch_replicas": launch.replicas if launch is not None else None,
             "available": sum(1 for r in replicas if r["state"] == "available"), "replicas": replicas,
+            "capacity": [{"role": role, "current": e["current"], "desired": e["desired"], "bottleneck": e["bottleneck"]}
+                         for (pool, role), e in sorted(sizing.items()) if pool == name],
         })
     return out
 

@@ -190,6 +190,21 @@ class DisaggregationConfig(_Strict):
         return self
 
 
+class PoolCapacityConfig(_Strict):
+    """Bounds on the replicas the capacity signal asks for (`m3gate_pool_desired_replicas`), per role of the pool."""
+
+    min_replicas: int = Field(default=1, ge=0, le=10_000, description="The signal never asks for fewer (each role of "
+                              "a disaggregated pool).")
+    max_replicas: int | None = Field(default=None, ge=1, le=10_000, description="The signal never asks for more "
+                                     "(each role); unset: no bound.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PoolCapacityConfig:
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        return self
+
+
 class PoolConfig(_Strict):
     """A pool: vLLM replicas launched with the same `--max-model-len` and modalities."""
 
@@ -217,6 +232,10 @@ class PoolConfig(_Strict):
     disaggregation: DisaggregationConfig | None = Field(
         default=None, description="Prefill and decode replicas instead of `endpoints`/`discovery` (docs/deployment.md, "
         "\"Disaggregated prefill/decode\").",
+    )
+    capacity: PoolCapacityConfig = Field(
+        default_factory=PoolCapacityConfig, description="Bounds on the replicas the capacity signal asks for "
+        "(docs/deployment.md, \"Autoscaling\").",
     )
 
     @field_validator("endpoints")
@@ -671,6 +690,25 @@ class SessionsConfig(_Strict):
                                               "(the same on every gateway, so traces still group by session).")
 
 
+class CapacityConfig(_Strict):
+    """The capacity signal (policies/capacity.py, gateway/capacity.py): how many replicas each pool and role needs for
+    its classes' targets at the current demand, exported as m3gate_pool_desired_replicas for an autoscaler."""
+
+    scale_down_stabilization_s: float = Field(
+        default=300.0, ge=0, le=86_400, description="The signal falls only this long after its last change, and only "
+        "to the most replicas the demand needed over this window (so one replica fewer meets the targets at the "
+        "window's peak). It rises at once.",
+    )
+    startup_s: float = Field(
+        default=180.0, ge=0, le=7200, description="How long a new replica takes to be useful (model load, warm-up): "
+        "the signal extrapolates a rising demand this far ahead.",
+    )
+    interval_s: float = Field(default=5.0, gt=0, le=300, description="Seconds between recomputations of the signal.")
+    window_s: float = Field(
+        default=60.0, gt=0, le=3600, description="The demand (arrival rate, token mix) is measured over this window.",
+    )
+
+
 class GatewayConfig(_Strict):
     """Top of the config tree: `m3gate config schema` prints its JSON schema for editors."""
 
@@ -687,6 +725,7 @@ class GatewayConfig(_Strict):
     access: AccessConfig = Field(default_factory=AccessConfig)
     limits: InputLimitsConfig = Field(default_factory=InputLimitsConfig)
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
 
     @model_validator(mode="after")
     def _pools_consistent(self) -> GatewayConfig:

@@ -108,6 +108,70 @@ class PrefillCost:
         return {"step_s": round(self.a, 5), "s_per_1k_tokens": round(self.c, 5), "samples": self.samples}
 
 
+class DecodeCost:
+    """One pool's decode step time, `d0 + d1 · batch + d2 · batch · context/1K` seconds (a fixed step cost, a cost per
+    sequence in the batch, a cost per 1,000 tokens of KV each sequence reads), learnt from the streams' inter-token
+    gaps the way `PrefillCost` learns the prefill step: recursive least squares on the relative error with
+    forgetting factor `forget`. A stream's mean gap is one sample of the step time at the batch its replica ran
+    (vLLM's num_requests_running, else the gateway's own in-flight count) and its mean context. Starts at 20 ms a
+    step (the replicas' TPOT default) growing 0.2 ms per sequence and 0.02 ms per sequence per 1K context, with a
+    wide uncertainty so the first streams set it; the uncertainty is bounded (`P_MAX`) so that a long spell at one
+    batch size cannot wind it up into a jump when the batch changes."""
+
+    __slots__ = ("coef", "_p", "forget", "samples")
+    P_MAX = 100.0
+
+    def __init__(self, d0: float = 0.02, d1: float = 2e-4, d2: float = 2e-5, forget: float = 0.995) -> None:
+        self.coef = [d0, d1, d2]
+        self._p = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # the 3×3 inverse-information matrix, row-major
+        self.forget = forget
+        self.samples = 0
+
+    def seconds(self, batch: float, context: float) -> float:
+        """One decode step with `batch` sequences of `context` tokens each on average: the time per output token."""
+        d0, d1, d2 = self.coef
+        return d0 + batch * (d1 + d2 * context * 1e-3)
+
+    def per_sequence(self, context: float) -> float:
+        """What one more sequence of `context` tokens adds to a step."""
+        return self.coef[1] + self.coef[2] * context * 1e-3
+
+    def learn(self, batch: float, context: float, step_s: float) -> None:
+        """A stream's mean inter-token gap `step_s`, at `batch` sequences of mean `context` tokens (unrolled: this
+        runs once per finished stream)."""
+        if not (step_s > 0.0 and batch > 0.0 and context >= 0.0 and math.isfinite(step_s)):
+            return
+        w = 1.0 / step_s
+        x0, x1 = w, batch * w
+        x2 = x1 * context * 1e-3
+        p00, p01, p02, p10, p11, p12, p20, p21, p22 = self._p
+        q0 = p00 * x0 + p01 * x1 + p02 * x2
+        q1 = p10 * x0 + p11 * x1 + p12 * x2
+        q2 = p20 * x0 + p21 * x1 + p22 * x2
+        denom = self.forget + x0 * q0 + x1 * q1 + x2 * q2
+        k0, k1, k2 = q0 / denom, q1 / denom, q2 / denom
+        d0, d1, d2 = self.coef
+        err = 1.0 - (d0 * x0 + d1 * x1 + d2 * x2)  # y = step_s · w = 1
+        d0, d1, d2 = d0 + k0 * err, d1 + k1 * err, d2 + k2 * err
+        if d0 > 0.0 and d1 >= 0.0 and d2 >= 0.0:  # a free or negative engine is noise, not news
+            self.coef = [d0, d1, d2]
+        f = 1.0 / self.forget
+        fresh = [(p00 - k0 * q0) * f, (p01 - k0 * q1) * f, (p02 - k0 * q2) * f,
+                 (p10 - k1 * q0) * f, (p11 - k1 * q1) * f, (p12 - k1 * q2) * f,
+                 (p20 - k2 * q0) * f, (p21 - k2 * q1) * f, (p22 - k2 * q2) * f]
+        trace = fresh[0] + fresh[4] + fresh[8]
+        if trace > self.P_MAX:
+            scale = self.P_MAX / trace
+            fresh = [v * scale for v in fresh]
+        self._p = fresh
+        self.samples += 1
+
+    def view(self) -> dict[str, float]:
+        d0, d1, d2 = self.coef
+        return {"step_s": round(d0, 6), "s_per_sequence": round(d1, 7), "s_per_sequence_1k_context": round(d2, 7),
+                "samples": self.samples}
+
+
 def prefill_plan(cost: PrefillCost, starts_in: float, ends_in: float, step_tokens: int, uncached: int,
                  queued: int) -> tuple[float, int, float]:
     """Where a request sent now lands in the replica's virtual step clock: (wait before its step starts, tokens in its

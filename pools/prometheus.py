@@ -1,4 +1,5 @@
-"""Reads what a live Prometheus measured of the gateway, for `m3gate contract --prometheus URL --window 1h`.
+"""Reads what a live Prometheus measured of the gateway, for `m3gate contract --prometheus URL --window 1h` and
+`m3gate plan --prometheus URL --window 1h` (`observe_demand`).
 
 Per class, over the window: each target metric's P50/P95/P99 (`histogram_quantile` over the gateway's own
 histograms, summed across pools, replicas and thinking modes), its sample count, and each stage's P95 (gateway
@@ -69,6 +70,37 @@ def observe_classes(base_url: str, window: str, classes: list[str] | None = None
     if classes is not None:
         observed = {k: v for k, v in observed.items() if k in classes}
     return observed
+
+
+def observe_demand(base_url: str, window: str) -> dict[str, dict[str, dict[str, float]]]:
+    """pool → class → {prompt, cached, output (mean tokens per answered request), rate_mean, rate_peak (requests
+    per second: over `window`, and the busiest minute in it)} from the gateways' counters, summed over gateways."""
+    by = "sum by (pool, class)"
+    queries = {
+        "rate_mean": f"{by} (rate(m3gate_requests_total[{window}]))",
+        "rate_peak": f"max_over_time(({by} (rate(m3gate_requests_total[1m])))[{window}:1m])",
+        "answered": f'{by} (increase(m3gate_requests_total{{status="200"}}[{window}]))',
+        "prompt": f"{by} (increase(m3gate_prompt_tokens_total[{window}]))",
+        "cached": f"{by} (increase(m3gate_cached_prompt_tokens_total[{window}]))",
+        "output": f"{by} (increase(m3gate_output_tokens_total[{window}]))",
+    }
+    values: dict[tuple[str, str], dict[str, float]] = {}
+    with httpx.Client(timeout=15.0) as client:
+        for name, expr in queries.items():
+            for labels, value in instant_query(base_url, expr, client=client):
+                pool, cls = labels.get("pool", ""), labels.get("class", "")
+                if pool and pool != "none":
+                    values.setdefault((pool, cls or pool), {})[name] = value
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (pool, cls), v in values.items():
+        answered = v.get("answered", 0.0)
+        if answered <= 0.0 or v.get("rate_mean", 0.0) <= 0.0:
+            continue
+        mean = v["rate_mean"]
+        out.setdefault(pool, {})[cls] = {
+            "prompt": v.get("prompt", 0.0) / answered, "cached": v.get("cached", 0.0) / answered,
+            "output": v.get("output", 0.0) / answered, "rate_mean": mean, "rate_peak": max(mean, v.get("rate_peak", 0.0))}
+    return out
 
 
 def describe(observed: dict[str, Observed]) -> dict[str, Any]:

@@ -99,6 +99,10 @@ function renderPools(pools) {
       h("span", { title: "the traffic class this pool's requests get unless the client or its key names one" }, "class " + p.class),
       h("span", { title: "replicas taking requests now / configured" + (p.launch_replicas ? " (launch: replicas the launch recipe starts)" : "") },
         `${p.available}/${p.replicas.length} available` + (p.launch_replicas ? ` (launch: ${p.launch_replicas})` : "")),
+      ...(p.capacity || []).map((c) => h("span", { class: "capacity", "data-role": c.role, "data-desired": String(c.desired),
+        title: "replicas this pool" + (c.role === "both" ? "" : "'s " + c.role + " side") + " needs for its classes' TTFT/TPOT p95 targets now, queueing included (m3gate_pool_desired_replicas; GET /admin/capacity)" },
+        (c.role === "both" ? "" : c.role + ": ") + (c.desired === null ? "sizing…" : `needs ${c.desired}`)
+        + (c.desired !== null && c.bottleneck ? ` (${c.bottleneck.replace("_", " ")})` : ""))),
       h("span", { class: "mute", title: "inputs the pool accepts · its replica-choice policy" + (p.precise ? " · precise: routed on the replicas' own KV events" : "") },
         p.modalities.join(", ") + " · " + p.policy + (p.precise ? " · precise" : "")));
     const rows = p.replicas.map((r) => {

@@ -1,0 +1,283 @@
+"""The capacity signal's producer: what the gateway observes, turned into policies/capacity.py's inputs every
+`capacity.interval_s`, and the answer kept for `m3gate_pool_desired_replicas{pool,role}` and GET /admin/capacity.
+
+Inputs, per pool and traffic class, over the last `capacity.window_s`:
+- arrivals: requests that finished (whatever their outcome: a refused request was demand too) plus the growth of
+  those admitted or waiting in the gateway (GET /admin/traffic's in_flight + queued), so an overload whose requests
+  have not finished yet is counted when it arrives rather than when it ends;
+- the token mix from the answers' usage: prompt tokens, the cached share (prefix hits), output tokens;
+- the requests waiting in the gateway's queue now (the backlog the replicas have not seen), and the uncached prompt
+  tokens sent to the replicas that have not reached their first token (`Replica.prefill_tokens`: a pile-up seen
+  before any of its answers).
+Engine costs: the pool's prefill step cost learnt for the TTFT predictions (`Gateway.latency[pool].cost`), the
+decode step cost learnt here from each stream's inter-token gaps (`DecodeCost`, against its replica's batch: vLLM's
+num_requests_running at the last scrape, else the gateway's in-flight count), and the replicas' KV blocks.
+
+Each gateway sizes for the requests it sees itself; behind a load balancer the pool's count is the sum over the
+gateways (deploy/k8s/autoscaling-*). A fresh gateway publishes nothing for its first `window_s` (it has seen too
+little to ask for fewer replicas than run); from then on the `Stabilizer` rules apply.
+
+`observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
+everything else runs on the timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import Any
+
+from gateway.record import RequestRecord
+from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
+from policies.latency_model import DecodeCost
+
+log = logging.getLogger("m3gate.capacity")
+
+DEFAULT_OUTPUT_TOKENS = 256.0  # a class whose answers have not been seen yet (an overload where none finished)
+_FINISHED, _ANSWERED, _PROMPT, _CACHED, _OUTPUT, _ESTIMATED = range(6)
+
+
+class CapacitySignal:
+    """Replicas each pool role needs for its classes' targets, recomputed on a timer from what the gateway saw."""
+
+    def __init__(self, gateway: Any) -> None:
+        self._gw = gateway
+        self.decode_costs: dict[str, DecodeCost] = {}  # per pool: the decode step learnt from inter-token gaps
+        self._bucket: dict[tuple[str, str], list[float]] = {}  # this interval's sums per (pool, class)
+        start = gateway.clock()
+        # closed intervals: (end, sums, requests in the gateway at the end); `_start` the span's beginning
+        self._closed: deque[tuple[float, dict[tuple[str, str], list[float]], dict[tuple[str, str], float]]] = deque()
+        self._start: tuple[float, dict[tuple[str, str], float]] = (start, {})
+        self._created = start
+        self._mix: dict[tuple[str, str], tuple[float, float, float]] = {}  # last known (prompt, cached, output) means
+        self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
+        self._stable: dict[tuple[str, str], Stabilizer] = {}
+        self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, role) → GET /admin/capacity's entry
+        self._task: asyncio.Task[None] | None = None
+
+    # the per-request hook ----------------------------------------------------------------------------------------
+    def observe(self, record: RequestRecord) -> None:
+        """One finished request: its class's demand and token mix; a complete stream's decode step sample."""
+        pool = record.pool or record.first_pool
+        if not pool:
+            return
+        key = (pool, record.traffic_class or pool)
+        sums = self._bucket.get(key)
+        if sums is None:
+            sums = self._bucket[key] = [0.0] * 6
+        sums[_FINISHED] += 1.0
+        sums[_ESTIMATED] += record.prompt_tokens_est
+        usage = record.usage
+        if not usage or record.status != 200:
+            return
+        prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+        completion = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        sums[_ANSWERED] += 1.0
+        sums[_PROMPT] += prompt
+        sums[_CACHED] += cached
+        sums[_OUTPUT] += completion
+        if (record.stream and record.error is None and not record.client_disconnected and completion > 1
+                and record.t_last_byte > record.t_first_byte > 0.0):
+            runtime = self._gw.pools.get(pool)
+            replica = runtime.replicas.get(record.replica) if runtime is not None else None
+            if replica is None:
+                return
+            load = replica.scraped
+            batch = load.running if load is not None and load.running > 0 else replica.in_flight + 1
+            cost = self.decode_costs.get(pool)
+            if cost is None:
+                cost = self.decode_costs[pool] = DecodeCost()
+            cost.learn(batch, prompt + completion / 2.0,
+                       (record.t_last_byte - record.t_first_byte) / (completion - 1))
+
+    # the timer ---------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="m3gate-capacity")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._gw.config.capacity.interval_s)
+            try:
+                self.tick(self._gw.clock())
+            except Exception:  # noqa: BLE001 - the signal must never take the gateway down
+                log.exception("capacity: recomputing the signal failed")
+
+    def tick(self, now: float) -> None:
+        """Close this interval, measure the demand over the window, size every pool role and update its signal."""
+        gw = self._gw
+        cfg = gw.config.capacity
+        traffic = gw.traffic.view().get("pools", {})
+        in_gateway = _in_gateway(traffic)
+        self._closed.append((now, self._bucket, in_gateway))
+        self._bucket = {}
+        while len(self._closed) > 1 and self._closed[0][0] <= now - cfg.window_s:
+            end, _, held = self._closed.popleft()
+            self._start = (end, held)
+        span = max(now - self._start[0], 1e-3)
+        finished: dict[tuple[str, str], list[float]] = {}
+        for _, sums, _ in self._closed:
+            for key, values in sums.items():
+                total = finished.setdefault(key, [0.0] * 6)
+                for i, v in enumerate(values):
+                    total[i] += v
+        held_before = self._start[1]
+        # the first window measures: a fresh gateway (a restart, one more gateway) has seen too little to ask for
+        # fewer replicas than run, so it publishes nothing until then
+        measuring = now - self._created < cfg.window_s
+        live = set(gw.pools)
+        for key in [k for k in self._stable if k[0] not in live]:
+            del self._stable[key]
+            self.entries.pop(key, None)
+        for name in [n for n in self._levels if n not in live]:
+            del self._levels[name]
+        for name, pool in list(gw.pools.items()):
+            queued = traffic.get(name, {}).get("classes", {})
+            demand = self._demand(name, finished, in_gateway, held_before, span, queued)
+            rate = sum(d.rate for d in demand)
+            levels = self._levels.setdefault(name, deque())
+            levels.append((now, rate))
+            while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
+                levels.popleft()
+            factor = lead_factor(levels, cfg.startup_s)
+            led = [_scaled(d, factor) for d in demand] if factor > 1.0 else demand
+            roles = ("prefill", "decode") if pool.disaggregated else ("both",)
+            bounds = pool.config.capacity
+            for role in roles:
+                costs = self._costs(name, pool, role)
+                current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
+                backlog = float(sum(r.prefill_tokens for r in (pool.of_role(role) if pool.disaggregated
+                                                                 else pool.replicas.values())))
+                measured = size(role, demand, costs, prefill_backlog=backlog)
+                needed = size(role, led, costs, prefill_backlog=backlog) if led is not demand else measured
+                stable = self._stable.get((name, role))
+                if stable is None and measuring:
+                    self.entries[(name, role)] = _entry(
+                        name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
+                        predict(role, led, costs, current, prefill_backlog=backlog), None)
+                    continue
+                if stable is None:
+                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s)
+                stable.window_s = cfg.scale_down_stabilization_s
+                desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas,
+                                        bounds.max_replicas)
+                self.entries[(name, role)] = _entry(
+                    name, role, current, desired, needed, measured, factor, demand, costs, now - stable.changed_at,
+                    backlog, predict(role, led, costs, current, prefill_backlog=backlog),
+                    predict(role, led, costs, desired, prefill_backlog=backlog))
+
+    def _demand(self, pool: str, finished: dict[tuple[str, str], list[float]],
+                in_gateway: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
+                span: float, queued_now: dict[str, Any]) -> list[ClassDemand]:
+        classes = self._gw.config.traffic.classes
+        keys = {k for k in (*finished, *in_gateway, *before) if k[0] == pool}
+        out = []
+        for key in sorted(keys):
+            sums = finished.get(key, [0.0] * 6)
+            arrived = sums[_FINISHED] + in_gateway.get(key, 0.0) - before.get(key, 0.0)
+            if sums[_ANSWERED] > 0:
+                n = sums[_ANSWERED]
+                mix = self._mix[key] = (sums[_PROMPT] / n, sums[_CACHED] / n, sums[_OUTPUT] / n)
+            else:
+                mix = self._mix.get(key) or (
+                    sums[_ESTIMATED] / sums[_FINISHED] if sums[_FINISHED] else 0.0, 0.0, DEFAULT_OUTPUT_TOKENS)
+            prompt, cached, output = mix
+            cfg = classes.get(key[1])
+            targets = cfg.latency_targets() if cfg is not None else {}
+            ttft = dict(targets.get("ttft", ())).get("p95")
+            tpot = dict(targets.get("tpot", ())).get("p95")
+            out.append(ClassDemand(
+                key[1], max(0.0, arrived) / span, prompt, max(0.0, prompt - cached), output,
+                None if ttft is None else ttft / 1000.0, None if tpot is None else tpot / 1000.0,
+                float(queued_now.get(key[1], {}).get("queued", 0))))
+        return out
+
+    def _costs(self, name: str, pool: Any, role: str) -> EngineCosts:
+        model = self._gw.latency.get(name)
+        decode = self.decode_costs.get(name) or DecodeCost()
+        replicas = pool.of_role(role) if pool.disaggregated else list(pool.replicas.values())
+        kv = [r.kv_blocks * r.block_size for r in replicas if r.kv_blocks]
+        d0, d1, d2 = decode.coef
+        return EngineCosts(
+            prefill_step_s=model.cost.a if model is not None else 0.02,
+            prefill_s_per_1k=model.cost.c if model is not None else 0.06,
+            decode_step_s=d0, decode_s_per_seq=d1, decode_s_per_seq_1k=d2, kv_tokens=min(kv) if kv else None)
+
+    # what is read ------------------------------------------------------------------------------------------------
+    def desired(self) -> dict[tuple[str, str], int]:
+        """(pool, role) → the replicas asked for (m3gate_pool_desired_replicas); none during the first window."""
+        return {key: entry["desired"] for key, entry in self.entries.items() if entry["desired"] is not None}
+
+    def view(self) -> dict[str, Any]:
+        """GET /admin/capacity: per pool and role, the counts, the bottleneck, the predictions and the demand."""
+        cfg = self._gw.config.capacity
+        pools: dict[str, Any] = {}
+        for (pool, role), entry in sorted(self.entries.items()):
+            pools.setdefault(pool, {})[role] = entry
+        return {"interval_s": cfg.interval_s, "window_s": cfg.window_s,
+                "scale_down_stabilization_s": cfg.scale_down_stabilization_s, "startup_s": cfg.startup_s,
+                "pools": pools}
+
+
+def _in_gateway(traffic: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """Requests admitted (in flight) or waiting in the gateway now, per (pool, class), from GET /admin/traffic's
+    view."""
+    out: dict[tuple[str, str], float] = {}
+    for pool, view in traffic.items():
+        for cls, counts in view.get("classes", {}).items():
+            out[(pool, cls)] = float(counts.get("in_flight", 0) + counts.get("queued", 0))
+    return out
+
+
+def _scaled(demand: ClassDemand, factor: float) -> ClassDemand:
+    return ClassDemand(demand.name, demand.rate * factor, demand.prompt_tokens, demand.uncached_tokens,
+                       demand.output_tokens, demand.ttft_p95_s, demand.tpot_p95_s, demand.queued)
+
+
+def _seconds(value: float) -> float | None:
+    """JSON has no infinity: a count that cannot keep up predicts null."""
+    return round(value, 4) if math.isfinite(value) else None
+
+
+def _prediction(p: Prediction) -> dict[str, Any]:
+    return {"replicas": p.replicas,
+            "classes": {name: {"ttft_p95_s": _seconds(c.ttft_p95_s), "tpot_p95_s": _seconds(c.tpot_p95_s)}
+                        for name, c in p.classes.items()},
+            "utilisation": _seconds(p.utilisation),
+            "kv_usage": None if p.kv_usage is None else _seconds(p.kv_usage),
+            "meets_targets": p.ok()}
+
+
+def _entry(pool: str, role: str, current: int, desired: int | None, needed: Sizing, measured: Sizing,
+           factor: float, demand: list[ClassDemand], costs: EngineCosts, since_change_s: float | None,
+           backlog: float, at_current: Prediction, at_desired: Prediction | None) -> dict[str, Any]:
+    return {
+        "pool": pool, "role": role, "current": current, "desired": desired,
+        "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead included)
+        "needed_now": measured.replicas,  # for the demand measured now
+        "bottleneck": needed.bottleneck,
+        "since_change_s": None if since_change_s is None else round(since_change_s, 1),  # None: still measuring
+        "lead_factor": round(factor, 3),
+        "prefill_backlog_tokens": backlog,  # uncached tokens sent to the replicas, not yet at their first token
+        "predicted": {"current": _prediction(at_current),
+                      "desired": None if at_desired is None else _prediction(at_desired)},
+        "demand": {d.name: {"rate_per_s": round(d.rate, 4), "prompt_tokens": round(d.prompt_tokens, 1),
+                            "uncached_tokens": round(d.uncached_tokens, 1), "output_tokens": round(d.output_tokens, 1),
+                            "queued": d.queued, "ttft_p95_target_s": d.ttft_p95_s, "tpot_p95_target_s": d.tpot_p95_s}
+                   for d in demand},
+        "costs": {"prefill_step_s": round(costs.prefill_step_s, 5), "prefill_s_per_1k": round(costs.prefill_s_per_1k, 5),
+                  "decode_step_s": round(costs.decode_step_s, 5), "decode_s_per_seq": round(costs.decode_s_per_seq, 7),
+                  "decode_s_per_seq_1k": round(costs.decode_s_per_seq_1k, 7), "kv_tokens": costs.kv_tokens},
+    }

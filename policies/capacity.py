@@ -1,0 +1,293 @@
+"""How many replicas a pool (or one role of a disaggregated pool) needs so that its classes meet their TTFT and TPOT
+p95 targets at a given demand, queueing included; and how that number is turned into a signal an autoscaler can
+follow without flapping.
+
+The model, per replica at N replicas (arrivals split evenly, as the replica policy spreads them):
+
+- Decode. A step of `B` sequences takes `d0 + g · B` seconds (`DecodeCost`, g the per-sequence cost at the mean
+  context). Little's law gives `B = Λo · TPOT` (Λo: output tokens per second per replica), and prefill work sharing
+  the step (an aggregated replica with chunked prefill) stretches it by 1/(1 − ρp), ρp the share of the GPU the
+  prefill tokens take. So TPOT = d0 / (1 − ρp − g · Λo): the utilisation law, with a pole where the replica is
+  full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B).
+- Prefill. An M/G/1 queue per replica: a request's service is `a + c · uncached / (1 − ρd)` (the learnt step cost
+  `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica), the mean wait by
+  Pollaczek–Khinchine, its tail by the usual exponential approximation (P(wait > t) ≈ ρ · e^(−t ρ / E[W])). TTFT
+  p95 of a class = wait p95 + its own service. The engine batches several prefills into one step, so this errs
+  high when many short prompts arrive together: the signal leans to one replica too many, never too few.
+- KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
+  half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
+  shared (conservative: shared prefixes hold one copy).
+- The gateway's queue. Requests already waiting there are work that has arrived: they are added to the demand as a
+  rate that clears them within `backlog_clear_s`; so are the uncached tokens sent to the replicas and not yet
+  prefilled (`prefill_backlog`), which show a pile-up before any of its answers has come back.
+
+`size` returns the smallest N that meets every target and the bottleneck that set it: `prefill_compute` (TTFT),
+`decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, or `gateway_queue`
+(only the backlog made the difference). Roles: `both` (aggregated) meets all three; `prefill` only TTFT; `decode`
+TPOT and KV.
+
+`Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
+the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
+the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead.
+
+Pure: no clock, no I/O; the gateway (gateway/capacity.py) and `m3gate plan` feed it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+BOTTLENECKS = ("prefill_compute", "decode_compute", "kv_memory", "gateway_queue")
+ROLES = ("both", "prefill", "decode")
+_CONSTRAINTS = {"both": ("prefill_compute", "decode_compute", "kv_memory"), "prefill": ("prefill_compute",),
+                "decode": ("decode_compute", "kv_memory")}
+_Z95 = 1.645
+_TAIL = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class ClassDemand:
+    """One traffic class's demand on a pool and its targets (seconds; None: no target)."""
+
+    name: str
+    rate: float  # requests arriving per second (the whole pool)
+    prompt_tokens: float  # mean prompt tokens
+    uncached_tokens: float  # mean prompt tokens not served from the prefix cache
+    output_tokens: float  # mean output tokens
+    ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None
+    queued: float = 0.0  # requests of the class waiting in the gateway's queue now
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """A pool's engine as learnt online (policies/latency_model.py): the prefill step `a + c · tokens` (c per 1K
+    tokens), the decode step `d0 + d1 · batch + d2 · batch · context/1K`, and each replica's KV capacity."""
+
+    prefill_step_s: float = 0.02
+    prefill_s_per_1k: float = 0.06
+    decode_step_s: float = 0.02
+    decode_s_per_seq: float = 2e-4
+    decode_s_per_seq_1k: float = 2e-5
+    kv_tokens: int | None = None  # KV blocks × block size per replica; None: unknown, not a constraint
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPrediction:
+    ttft_p95_s: float  # inf where the replicas cannot keep up
+    tpot_p95_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What N replicas of a role would give at a demand."""
+
+    replicas: int
+    classes: dict[str, ClassPrediction]
+    utilisation: float  # the busiest resource's share: the prefill queue's ρ, or ρp + ρd
+    kv_usage: float | None  # share of a replica's KV the contexts in flight take
+    meets: dict[str, bool]  # bottleneck → whether that constraint holds at N
+
+    def ok(self) -> bool:
+        return all(self.meets.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    replicas: int
+    bottleneck: str | None  # None: no demand, any count meets the targets
+    prediction: Prediction
+
+
+@dataclass(frozen=True, slots=True)
+class SizingParams:
+    kv_limit: float = 0.9  # share of a replica's KV the contexts may fill before preemption looms
+    max_utilisation: float = 0.9  # for classes without a target: keep the replica below this load
+    backlog_clear_s: float = 10.0  # queued work (the gateway's queue, prefills not started) is demand clearing in this
+    max_replicas: int = 4096  # the search's ceiling (a demand no count meets gets this)
+
+
+def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replicas: int,
+            params: SizingParams = SizingParams(), backlog: bool = True, prefill_backlog: float = 0.0) -> Prediction:
+    """Predicted p95s, utilisation and KV use of `replicas` replicas of `role` at `demand`. `prefill_backlog`:
+    uncached prompt tokens already sent to the replicas and not yet prefilled (a pile-up the arrival rate does not
+    show yet, e.g. a burst of a kind of prompt none of whose answers has come back), spread over
+    `backlog_clear_s` like the gateway's queue."""
+    n = max(replicas, 0)
+    rates = [d.rate + (d.queued / params.backlog_clear_s if backlog else 0.0) for d in demand]
+    total = sum(rates)
+    inf = math.inf
+    if n == 0:
+        busy = total > 0.0
+        classes = {d.name: ClassPrediction(inf if busy else 0.0, inf if busy else 0.0) for d in demand}
+        return Prediction(0, classes, inf if busy else 0.0, None,
+                          {b: not busy for b in ("prefill_compute", "decode_compute", "kv_memory")})
+    prefill_side, decode_side = role in ("both", "prefill"), role in ("both", "decode")
+    per = [r / n for r in rates]
+    lam = sum(per)
+    out_rate = sum(p * d.output_tokens for p, d in zip(per, demand))  # output tokens/s per replica
+    weight = [r / total for r in rates] if total > 0 else [0.0 for _ in rates]
+    context = sum(w * (d.prompt_tokens + d.output_tokens / 2.0) for w, d in zip(weight, demand))
+    g = costs.decode_s_per_seq + costs.decode_s_per_seq_1k * context * 1e-3
+    c = costs.prefill_s_per_1k * 1e-3
+    rho_p = sum(p * d.uncached_tokens for p, d in zip(per, demand)) * c if (prefill_side and role == "both") else 0.0
+    rho_d = g * out_rate if (decode_side and role == "both") else 0.0
+    # decode
+    tpot = tpot95 = 0.0
+    batch = 0.0
+    decode_util = 0.0
+    if decode_side:
+        decode_util = rho_p + g * out_rate
+        if decode_util >= 1.0:
+            tpot = tpot95 = inf
+            batch = inf
+        else:
+            tpot = costs.decode_step_s / (1.0 - decode_util)
+            batch = out_rate * tpot
+            b95 = batch + _Z95 * math.sqrt(batch)
+            tpot95 = (costs.decode_step_s + g * b95) / (1.0 - rho_p)
+    # prefill: M/G/1 per replica
+    wait95 = 0.0
+    services = [0.0 for _ in demand]
+    prefill_util = 0.0
+    if prefill_side:
+        slow = 1.0 - rho_d
+        services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else inf for d in demand]
+        prefill_util = sum(p * s for p, s in zip(per, services))
+        if prefill_backlog > 0.0 and slow > 0.0:
+            prefill_util += prefill_backlog * c / slow / (n * params.backlog_clear_s)
+        if prefill_util >= 1.0:
+            wait95 = inf
+        elif lam > 0.0 and prefill_util > 0.0:
+            second = sum(p * s * s for p, s in zip(per, services)) / lam
+            mean_wait = lam * second / (2.0 * (1.0 - prefill_util))
+            if prefill_util > _TAIL and mean_wait > 0.0:
+                wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
+    classes = {}
+    for d, s in zip(demand, services):
+        ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
+        classes[d.name] = ClassPrediction(ttft, tpot95 if decode_side else 0.0)
+    # KV
+    kv_usage = None
+    if decode_side and costs.kv_tokens:
+        prefilling = lam * sum(w * s for w, s in zip(weight, services)) if prefill_side else 0.0
+        kv_usage = inf if batch == inf else (batch + prefilling) * context / costs.kv_tokens
+    utilisation = max(prefill_util, decode_util)
+    meets = {"prefill_compute": True, "decode_compute": True, "kv_memory": True}
+    for d in demand:
+        p = classes[d.name]
+        if prefill_side and d.ttft_p95_s is not None and p.ttft_p95_s > d.ttft_p95_s:
+            meets["prefill_compute"] = False
+        if decode_side and d.tpot_p95_s is not None and p.tpot_p95_s > d.tpot_p95_s:
+            meets["decode_compute"] = False
+    if prefill_side and prefill_util > params.max_utilisation and any(d.ttft_p95_s is None for d in demand):
+        meets["prefill_compute"] = False
+    if decode_side and decode_util > params.max_utilisation and any(d.tpot_p95_s is None for d in demand):
+        meets["decode_compute"] = False
+    if kv_usage is not None and kv_usage > params.kv_limit:
+        meets["kv_memory"] = False
+    return Prediction(n, classes, utilisation, kv_usage, meets)
+
+
+def _smallest(ok: Callable[[int], bool], ceiling: int) -> int:
+    """The smallest n in 1..ceiling with ok(n) (ok is monotone in n), else ceiling."""
+    hi = 1
+    while not ok(hi):
+        if hi >= ceiling:
+            return ceiling
+        hi = min(ceiling, hi * 2)
+    lo = hi // 2 + 1 if hi > 1 else 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, params: SizingParams = SizingParams(),
+         prefill_backlog: float = 0.0) -> Sizing:
+    """The smallest replica count of `role` at which every class meets its targets at `demand`, and why that many
+    (`prefill_backlog` as in `predict`)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+    if prefill_backlog <= 0.0 and not any(d.rate > 0 or d.queued > 0 for d in demand):
+        return Sizing(0, None, predict(role, demand, costs, 0, params))
+    ceiling = params.max_replicas
+    needs = {}
+    for name in _CONSTRAINTS[role]:
+        needs[name] = _smallest(
+            lambda n, k=name: predict(role, demand, costs, n, params, False, prefill_backlog).meets[k], ceiling)
+    without_queue = max(needs.values())
+    n = _smallest(lambda k: predict(role, demand, costs, k, params, True, prefill_backlog).ok(), ceiling)
+    n = max(n, without_queue)
+    if n > without_queue:
+        bottleneck = "gateway_queue"
+    else:
+        bottleneck = max(needs, key=lambda k: needs[k])  # first of the order on ties
+    return Sizing(n, bottleneck, predict(role, demand, costs, n, params, True, prefill_backlog))
+
+
+def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0) -> float:
+    """How much higher the demand will be `horizon_s` from now if it keeps its recent trend: 1 + slope · horizon /
+    level from a least-squares line through (time, rate) samples; 1 for a flat or falling demand (the signal leads a
+    rise; a fall waits for the stabilization window anyway), at most `cap`."""
+    points = list(samples)
+    if len(points) < 3 or horizon_s <= 0.0:
+        return 1.0
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mr = sum(r for _, r in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var <= 0.0:
+        return 1.0
+    slope = sum((t - mt) * (r - mr) for t, r in points) / var
+    level = mr + slope * (points[-1][0] - mt)  # the line's value now
+    if slope <= 0.0 or level <= 0.0:
+        return 1.0
+    return min(cap, 1.0 + slope * horizon_s / level)
+
+
+def bounded(n: int, low: int, high: int | None) -> int:
+    return max(low, n if high is None else min(high, n))
+
+
+@dataclass
+class Stabilizer:
+    """One pool role's signal over time: `update(now, needed, measured)` → the replicas to ask for.
+
+    `needed`: the count for the demand expected once a new replica would be ready (the lead included); `measured`:
+    the count for the demand measured now. Up at once to `needed`; down only when `window_s` has passed since the
+    last change, and only to the most `measured` asked for within the window (at least `needed`)."""
+
+    window_s: float = 300.0
+    desired: int | None = None
+    changed_at: float = -math.inf
+    history: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def update(self, now: float, needed: int, measured: int, low: int = 1, high: int | None = None) -> int:
+        history = self.history
+        history.append((now, measured))
+        while history and history[0][0] < now - self.window_s:
+            history.popleft()
+        target = bounded(needed, low, high)
+        if self.desired is None or target > self.desired:
+            self._set(now, target)
+        elif now - self.changed_at >= self.window_s:
+            peak = bounded(max(n for _, n in history), low, high)
+            lower = max(target, peak)
+            if lower < self.desired:
+                self._set(now, lower)
+        assert self.desired is not None
+        if not low <= self.desired <= (high if high is not None else self.desired):  # the bounds changed (reload)
+            self._set(now, bounded(self.desired, low, high))
+        return self.desired
+
+    def _set(self, now: float, value: int) -> None:
+        if value != self.desired:
+            self.changed_at = now
+        self.desired = value

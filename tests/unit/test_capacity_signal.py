@@ -1,0 +1,154 @@
+"""gateway/capacity.py in a real (unstarted) gateway: finished requests become the demand the sizing model is fed,
+the signal is exported as m3gate_pool_desired_replicas{pool,role} beside m3gate_pool_replicas (both roles of a
+disaggregated pool), GET /admin/capacity explains it, and the decode step cost is learnt from the streams' gaps."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import build_app
+from gateway.record import RequestRecord
+from policies.capacity import ClassDemand, EngineCosts, size
+from policies.config import GatewayConfig
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+CONFIG = {
+    "model": MODEL,
+    "pools": [
+        {"name": "chat", "max_model_len": 32768, "kv_blocks": 4000,
+         "endpoints": ["http://127.0.0.1:9", "http://127.0.0.1:10"], "capacity": {"min_replicas": 1, "max_replicas": 40}},
+        {"name": "long", "max_model_len": 131072, "kv_blocks": 8000,
+         "disaggregation": {"prefill": {"endpoints": ["http://127.0.0.1:11"]},
+                            "decode": {"endpoints": ["http://127.0.0.1:12", "http://127.0.0.1:13"]}}},
+    ],
+    "traffic": {"classes": {"interactive": {"targets": {"ttft_ms": {"p95": 1000}, "tpot_ms": {"p95": 50}}},
+                            "repository": {"priority": 1, "targets": {"ttft_ms": {"p95": 8000}, "tpot_ms": {"p95": 80}}}},
+                "pool_classes": {"chat": "interactive", "long": "repository"}},
+    "capacity": {"window_s": 10, "scale_down_stabilization_s": 30, "startup_s": 0, "interval_s": 1},
+}
+
+
+def _record(pool: str, cls: str, at: float, prompt: int, cached: int, output: int, gap: float = 0.02,
+            replica: str = "") -> RequestRecord:
+    return RequestRecord(
+        api="chat", stream=True, t_arrival=at, pool=pool, replica=replica, traffic_class=cls, status=200,
+        prompt_tokens_est=prompt, t_sent=at, t_first_byte=at + 0.2, t_last_byte=at + 0.2 + gap * (output - 1),
+        usage={"prompt_tokens": prompt, "completion_tokens": output,
+               "prompt_tokens_details": {"cached_tokens": cached}})
+
+
+def _feed(app, t0: float, rate: int, seconds: int, start: int = 0) -> None:  # type: ignore[no-untyped-def]
+    gw = app.state.gateway
+    for s in range(start, start + seconds):
+        for i in range(rate):
+            at = t0 + s + i / rate
+            gw.capacity.observe(_record("chat", "interactive", at, 4000, 2500, 400, replica="http://127.0.0.1:9"))
+            gw.capacity.observe(_record("long", "repository", at, 60_000, 20_000, 800, replica="http://127.0.0.1:12"))
+        gw.capacity.tick(t0 + s + 1)
+
+
+def _metrics(app) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:  # type: ignore[no-untyped-def]
+    body, _ = app.state.gateway.telemetry.metrics.render(None)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_finished_requests_become_the_demand_and_the_signal_is_the_models_answer() -> None:
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    gw = app.state.gateway
+    t0 = gw.clock()
+    _feed(app, t0, rate=12, seconds=12)
+    entry = gw.capacity.entries[("chat", "both")]
+    demand = entry["demand"]["interactive"]
+    assert demand["rate_per_s"] == pytest.approx(12.0, rel=0.1)
+    assert (demand["prompt_tokens"], demand["uncached_tokens"], demand["output_tokens"]) == (4000, 1500, 400)
+    assert demand["ttft_p95_target_s"] == 1.0 and demand["tpot_p95_target_s"] == 0.05
+    assert entry["current"] == 2
+    # the producer's answer is the pure model's for the demand it measured
+    model = size("both", [_demand_of(entry)], _costs_of(entry))
+    assert entry["needed_now"] == model.replicas and entry["desired"] == max(1, model.replicas)
+    assert entry["bottleneck"] in ("prefill_compute", "decode_compute", "kv_memory")
+    # twice the demand, twice (about) the replicas, at once
+    _feed(app, t0, rate=24, seconds=12, start=12)
+    doubled = gw.capacity.entries[("chat", "both")]
+    assert doubled["desired"] >= 1.6 * entry["needed_now"]
+
+
+def test_the_gauge_sits_beside_the_pools_replica_count_with_one_series_per_role() -> None:
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    gw = app.state.gateway
+    t0 = gw.clock()
+    _feed(app, t0, rate=4, seconds=3)
+    # the first window only measures: nothing is published yet (a fresh gateway has seen too little)
+    assert not any(name == "m3gate_pool_desired_replicas" for name, _ in _metrics(app))
+    assert gw.capacity.entries[("chat", "both")]["desired"] is None
+    _feed(app, t0, rate=4, seconds=9, start=3)
+    metrics = _metrics(app)
+    desired = {labels: v for (name, labels), v in metrics.items() if name == "m3gate_pool_desired_replicas"}
+    assert set(desired) == {(("pool", "chat"), ("role", "both")), (("pool", "long"), ("role", "prefill")),
+                            (("pool", "long"), ("role", "decode"))}
+    assert desired[(("pool", "chat"), ("role", "both"))] == gw.capacity.entries[("chat", "both")]["desired"]
+    assert ("m3gate_pool_replicas", (("pool", "chat"),)) in metrics
+    # a disaggregated pool's roles count their own replicas
+    assert gw.capacity.entries[("long", "prefill")]["current"] == 1
+    assert gw.capacity.entries[("long", "decode")]["current"] == 2
+
+
+@pytest.mark.asyncio
+async def test_admin_capacity_explains_each_pool_role() -> None:
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    gw = app.state.gateway
+    _feed(app, gw.clock(), rate=4, seconds=12)
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 4000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        body = (await client.get("/admin/capacity")).json()
+    assert body["scale_down_stabilization_s"] == 30 and body["startup_s"] == 0
+    assert set(body["pools"]) == {"chat", "long"} and set(body["pools"]["long"]) == {"prefill", "decode"}
+    entry = body["pools"]["chat"]["both"]
+    assert {"current", "desired", "bottleneck", "predicted", "demand", "costs", "lead_factor"} <= set(entry)
+    for at in ("current", "desired"):
+        predicted = entry["predicted"][at]
+        assert predicted["replicas"] == entry[at]
+        assert set(predicted["classes"]["interactive"]) == {"ttft_p95_s", "tpot_p95_s"}
+    assert entry["predicted"]["desired"]["meets_targets"] is True
+    # the prefill side of a disaggregated pool predicts no TPOT; its decode side no queueing prefill
+    assert body["pools"]["long"]["prefill"]["predicted"]["desired"]["classes"]["repository"]["tpot_p95_s"] == 0
+
+
+@pytest.mark.asyncio
+async def test_admin_capacity_is_guarded_like_the_other_admin_routes() -> None:
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 4000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        r = await client.get("/admin/capacity")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_forbidden"
+
+
+def test_the_decode_step_is_learnt_from_the_streams_gaps() -> None:
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    gw = app.state.gateway
+    t0 = gw.clock()
+    replica = gw.pools["chat"].replicas["http://127.0.0.1:9"]
+    for i in range(400):
+        replica.in_flight = (i % 8) * 4  # batch 1..29 at the time each stream ends
+        batch = replica.in_flight + 1
+        gap = 0.01 + 0.001 * batch
+        gw.capacity.observe(_record("chat", "interactive", t0 + i, 1000, 0, 101, gap=gap,
+                                    replica="http://127.0.0.1:9"))
+    replica.in_flight = 0
+    cost = gw.capacity.decode_costs["chat"]
+    assert cost.samples == 400
+    assert cost.seconds(1, 1050) == pytest.approx(0.011, rel=0.15)
+    assert cost.seconds(29, 1050) == pytest.approx(0.039, rel=0.15)
+
+
+def _demand_of(entry: dict) -> ClassDemand:  # type: ignore[type-arg]
+    d = entry["demand"]["interactive"]
+    return ClassDemand("interactive", d["rate_per_s"], d["prompt_tokens"], d["uncached_tokens"], d["output_tokens"],
+                       d["ttft_p95_target_s"], d["tpot_p95_target_s"], d["queued"])
+
+
+def _costs_of(entry: dict) -> EngineCosts:  # type: ignore[type-arg]
+    return EngineCosts(**entry["costs"])
