@@ -471,7 +471,8 @@ class Tracing:
         span_id = self._new_span_id()
         if ids.sampled:
             pd = record.pd
-            ids.attempts.append((span_id, self._clock(), record.pool, record.replica, pd.role if pd is not None else ""))
+            role = pd.role if pd is not None else ""
+            ids.attempts.append((span_id, self._clock(), record.pool, record.replica, role))
         headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-{'01' if ids.sampled else '00'}"
         state = ids.trace_state
         if state is not _EMPTY_STATE and state:
@@ -587,23 +588,7 @@ class Tracing:
             out.append(Span(name, context, server, CLIENT, sent_ns, max(sent_ns, end_ns), attempt_attrs, (),
                             UNSET if attempt_error is None else Status(StatusCode.ERROR, attempt_error)))
             if first and headers_at >= sent:
-                first_ns = offset + int(first * 1e9)
-                new_id = self._new_span_id
-                prefill: dict[str, Any] = {}
-                if input_tokens is not None:
-                    prefill["gen_ai.usage.input_tokens"] = input_tokens
-                if cached is not None:
-                    prefill["gen_ai.usage.cache_read.input_tokens"] = cached
-                out.append(Span("m3gate.kv_transfer" if role == "decode" else "m3gate.prefill",  # P/D: pull + 1 step
-                                _context(trace_id, new_id(), state), context, INTERNAL, sent_ns,
-                                max(sent_ns, first_ns), prefill))
-                decode: dict[str, Any] = {}
-                if output_tokens is not None:
-                    decode["gen_ai.usage.output_tokens"] = output_tokens
-                    if output_tokens > 1:
-                        decode["m3gate.tpot_ms"] = (end - first) * 1000 / (output_tokens - 1)
-                out.append(Span("m3gate.decode", _context(trace_id, new_id(), state), context, INTERNAL, first_ns,
-                                max(first_ns, end_ns), decode))
+                out.extend(self._stage_spans(snapshot, context, state, role, sent_ns))
         attrs = {key: value for key, value in zip(SERVER_KEYS, values) if value is not None}
         link_trace, link_span = attrs.pop(_LINK_TRACE, None), attrs.pop(_LINK_SPAN, None)
         span = Span(values[0] + " " + values[1], server, parent, SERVER, offset + int(arrival * 1e9), end_ns,
@@ -612,6 +597,30 @@ class Tracing:
             span._links = (Link(_context(link_trace, link_span, _EMPTY_STATE), {"m3gate.link": "previous_turn"}),)
         out.append(span)
         return out
+
+    def _stage_spans(self, snapshot: tuple[Any, ...], attempt: SpanContext, state: TraceState, role: str,
+                     sent_ns: int) -> tuple[ReadableSpan, ReadableSpan]:
+        """A stream's two stages under its final attempt: sent → first token (`m3gate.prefill`; for a P/D decode
+        call `m3gate.kv_transfer`: the KV pull and one step), then first → last token (`m3gate.decode`)."""
+        trace_id, offset, end, first = snapshot[0], snapshot[3], snapshot[6], snapshot[11]
+        input_tokens, output_tokens, cached = snapshot[17], snapshot[18], snapshot[19]
+        Span, new_id = self._span_class, self._new_span_id
+        first_ns, end_ns = offset + int(first * 1e9), offset + int(end * 1e9)
+        prefill: dict[str, Any] = {}
+        if input_tokens is not None:
+            prefill["gen_ai.usage.input_tokens"] = input_tokens
+        if cached is not None:
+            prefill["gen_ai.usage.cache_read.input_tokens"] = cached
+        decode: dict[str, Any] = {}
+        if output_tokens is not None:
+            decode["gen_ai.usage.output_tokens"] = output_tokens
+            if output_tokens > 1:
+                decode["m3gate.tpot_ms"] = (end - first) * 1000 / (output_tokens - 1)
+        name = "m3gate.kv_transfer" if role == "decode" else "m3gate.prefill"
+        return (Span(name, _context(trace_id, new_id(), state), attempt, INTERNAL, sent_ns, max(sent_ns, first_ns),
+                     prefill),
+                Span("m3gate.decode", _context(trace_id, new_id(), state), attempt, INTERNAL, first_ns,
+                     max(first_ns, end_ns), decode))
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def close(self) -> None:

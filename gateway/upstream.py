@@ -170,8 +170,9 @@ class Upstream:
         policy chose for it (a precise pool's exact block hashes), else `routing`."""
         record, pool, replica = attempt.record, target.pool, target.replica
         headers, extra = self._headers(attempt, target, number, retried)
-        held = Held(replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget,
-                                  max(0, attempt.profile.prompt_tokens - target.matched_blocks * pool.config.block_size)))
+        profile = attempt.profile
+        uncached = profile.prompt_tokens - target.matched_blocks * pool.config.block_size
+        held = Held(replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached)))
         self._dispatched(record, target, dispatched_as or routing, routing)
         reply = await self.exchange(replica, pool.name, replica.url + record.path, payload, headers, held)
         if isinstance(reply, Failed):
