@@ -3,7 +3,9 @@
 `Coordinator.serve` is the whole path in one screen; each step below it is a method of a few lines that hands the
 decision to a pure policy (`policies/`) over the live state of `Gateway` (`gateway/runtime.py`). Collaborators
 plug in without being inlined: traffic control admits (`gateway/admission.py`), precise routing supplies exact
-block hashes (`gateway/precise.py`), the relay streams the answer (`gateway/relay.py`), telemetry observes
+block hashes (`gateway/precise.py`), `Upstream` makes each upstream call and says how it went
+(`gateway/upstream.py`), the relay streams the answer (`gateway/relay.py`), the P/D path serves disaggregated pools
+(`gateway/disagg.py`), `Learning` feeds the estimates (`gateway/learning.py`), telemetry observes
 (`gateway/telemetry.py`). `finished` is the single end of every request, however it ended.
 """
 
