@@ -109,9 +109,7 @@ class Gateway:
         return notes
 
     def telemetry_reload(self, ok: bool) -> None:
-        hook = getattr(self.telemetry, "config_reloaded", None)
-        if hook is not None:
-            hook(ok)
+        self.telemetry.config_reloaded(ok)
 
     def _register_precise_metrics(self) -> None:
         metrics = getattr(self.telemetry, "metrics", None)
@@ -177,7 +175,7 @@ class Gateway:
             policy.dispatched(request, replica, self.clock())
 
     def _session_ended(self, session: Session) -> None:
-        metrics = getattr(self.telemetry, "metrics", None)
+        metrics = self.telemetry.metrics
         if metrics is not None:
             metrics.requests.session_ended(session)
 
