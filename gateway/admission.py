@@ -40,8 +40,6 @@ from pools.tasks import cancel_and_wait
 log = logging.getLogger("m3gate.admission")
 
 TICK_S = 0.05  # how often queued requests are re-checked while replicas are saturated (metrics change, no event)
-TICKET_KEY = "admission_ticket"  # where a request's slot is kept on its RequestRecord.extra
-_RATE_HEADERS = "ratelimit_headers"
 _TTFT_SAMPLES = 1024
 
 
@@ -315,7 +313,7 @@ class TrafficControl:
             record.client_disconnected = True
             raise RequestRejected("The client closed the connection while its request waited for capacity.",
                                   status=499, code="client_closed_request") from None
-        record.extra[TICKET_KEY] = ticket
+        record.admission_ticket = ticket
         record.t_admitted = self.clock()
         if pool != choice.pool.name:
             at = names.index(pool)
@@ -339,7 +337,7 @@ class TrafficControl:
                 "max_tokens or shorten the input.",
                 status=429, type="tokens", code="rate_limit_exceeded")
         decision = await self.rate.check(client.key_id, key.requests_per_minute, key.tokens_per_minute, cost)
-        record.extra[_RATE_HEADERS] = rate_limit_headers(decision)
+        record.ratelimit_headers = rate_limit_headers(decision)
         if decision is None or decision.allowed:
             return
         requests = decision.requests is not None and decision.requests.remaining < 1
@@ -354,7 +352,7 @@ class TrafficControl:
 
     def response_headers(self, record: RequestRecord) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers, on every response once the key's quota was checked."""
-        return record.extra.get(_RATE_HEADERS) or {}
+        return record.ratelimit_headers or {}
 
     def refusal_headers(self, record: RequestRecord, exc: RequestRejected) -> dict[str, str]:
         headers = dict(self.response_headers(record))
@@ -364,7 +362,7 @@ class TrafficControl:
 
     def finished(self, record: RequestRecord) -> None:
         """The upstream request has ended (or never started): free its slot, note its first-token latency."""
-        ticket = record.extra.pop(TICKET_KEY, None)
+        ticket, record.admission_ticket = record.admission_ticket, None
         if ticket is not None:
             ticket.release()
             if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:

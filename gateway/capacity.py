@@ -33,6 +33,7 @@ from typing import Any
 from gateway.record import RequestRecord
 from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
 from policies.latency_model import DecodeCost
+from policies.vllm_wire import usage_counts
 
 log = logging.getLogger("m3gate.capacity")
 
@@ -73,10 +74,7 @@ class CapacitySignal:
         usage = record.usage
         if not usage or record.status != 200:
             return
-        prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
-        completion = usage.get("completion_tokens") or usage.get("output_tokens") or 0
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        prompt, completion, cached = usage_counts(usage)
         sums[_ANSWERED] += 1.0
         sums[_PROMPT] += prompt
         sums[_CACHED] += cached

@@ -3,18 +3,19 @@
 `Coordinator.serve` is the whole path in one screen; each step below it is a method of a few lines that hands the
 decision to a pure policy (`policies/`) over the live state of `Gateway` (`gateway/runtime.py`). Collaborators
 plug in without being inlined: traffic control admits (`gateway/admission.py`), precise routing supplies exact
-block hashes (`gateway/precise.py`), the relay streams the answer (`gateway/relay.py`), telemetry observes
+block hashes (`gateway/precise.py`), `Upstream` makes each upstream call and says how it went
+(`gateway/upstream.py`), the relay streams the answer (`gateway/relay.py`), the P/D path serves disaggregated pools
+(`gateway/disagg.py`), `Learning` feeds the estimates (`gateway/learning.py`), telemetry observes
 (`gateway/telemetry.py`). `finished` is the single end of every request, however it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import aiohttp
 import orjson
@@ -25,18 +26,11 @@ from gateway.admission import Admitted, raw_header
 from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.disagg import Disaggregation
 from gateway.errors import UpstreamFailure, rejected_response
+from gateway.learning import Learning
 from gateway.record import RequestRecord
-from gateway.relay import (
-    RETRYABLE_STATUS,
-    DisconnectWatch,
-    RawResponse,
-    StreamRelay,
-    response_headers,
-    upstream_headers,
-    upstream_payload,
-    usage_of,
-)
+from gateway.relay import StreamRelay, upstream_payload
 from gateway.runtime import Gateway
+from gateway.upstream import Attempt, Failed, Streamed, Target, Upstream
 from policies.admission import RetryLater
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
@@ -49,40 +43,30 @@ from policies.pool_choice import (
     with_learned_ratio,
 )
 from policies.prefix import prefix_blocks
-from policies.replica_choice import NoReplicaAvailable, RoutingDecision, RoutingRequest
+from policies.replica_choice import NoReplicaAvailable, RoutingRequest
 from policies.traffic import SLO_TPOT_HEADER, SLO_TTFT_HEADER, request_slos
+from policies.vllm_wire import tokenize_body
 from pools.replicas import PoolRuntime, Replica
-
-log = logging.getLogger("m3gate")
 
 # Requests whose body is larger than this are classified in a worker thread, off the event loop.
 CLASSIFY_IN_THREAD_BYTES = 64 * 1024
 _SLO_TTFT_RAW, _SLO_TPOT_RAW = SLO_TTFT_HEADER.encode(), SLO_TPOT_HEADER.encode()
 MAX_ATTEMPTS = 2
 
-
-class Target(NamedTuple):
-    """One replica the request may be sent to, and why it was chosen."""
-
-    pool: PoolRuntime
-    replica: Replica
-    reason: str
-    matched_blocks: int
-    decision: RoutingDecision | None = None
-
-
 class Coordinator:
     """Serves the generate endpoints over one `Gateway`'s state."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-        self.disagg = Disaggregation(gateway)  # the P/D path of disaggregated pools (gateway/disagg.py)
+        self.learning = Learning(gateway)  # what answers teach the estimates (gateway/learning.py)
+        self.upstream = Upstream(gateway, self.learning, self.finished)  # one upstream call (gateway/upstream.py)
+        self.disagg = Disaggregation(gateway, self.upstream)  # the P/D path of disaggregated pools
 
     async def serve(self, request: Request, api: str) -> Any:
         """Every outcome is a response: the answer, or an error in OpenAI's shape."""
         gw = self.gw
         record = RequestRecord(api=api, stream=False, t_arrival=gw.clock())
-        record.extra["path"] = request.scope["path"]
+        record.path = request.scope["path"]
         gw.telemetry.start(record, request.headers)
         try:
             client = gw.traffic.authenticate(request)  # no key, no body read, no pool
@@ -169,13 +153,9 @@ class Coordinator:
         replicas = [r for r in pool.replicas.values() if r.is_available(now)]
         if not replicas or gw.session is None:
             return None
-        if api == "chat":
-            payload: dict[str, Any] = {"model": gw.config.model, "messages": body.get("messages")}
-            for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
-                if key in body:
-                    payload[key] = body[key]
-        else:
-            payload = {"model": gw.config.model, "prompt": body.get("prompt")}
+        payload = tokenize_body(body, api, gw.config.model)
+        if payload is None:
+            return None
         headers = {"content-type": "application/json", **pool.probe_headers()}
         try:
             async with gw.session.post(
@@ -263,7 +243,6 @@ class Coordinator:
     ) -> Response | StreamRelay:
         """Send to the chosen replica; before the first byte, a failure is retried once on the next target."""
         gw = self.gw
-        assert gw.session is not None
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)
         if not targets:
@@ -274,34 +253,18 @@ class Coordinator:
             )
         if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
             raise _shed(record, targets[0])
-        attempt = _Attempts(request, record, payload, strip_usage, profile, heal=choice.reason != "forced")
-        watch = gw.watches.watch(request.receive)  # one watcher for the whole request, not a task per await
+        # one disconnect watcher for the whole request, not a task per await
+        attempt = Attempt(request, record, profile, strip_usage, gw.watches.watch(request.receive))
         try:
             if self.disagg.handles(choice):  # prefill here, decode there; or None: straight to a decode replica
                 direct = targets[0].matched_blocks if targets[0].pool.name == choice.pool.name else 0
-                pool_routing = routings.get(choice.pool.name, routing)
-                answer = await self.disagg.forward(self, attempt, choice, pool_routing, direct, watch)
+                answer = await self.disagg.forward(attempt, choice, routings.get(choice.pool.name, routing), direct,
+                                                   payload)
                 if answer is not None:
                     return answer
-            last_failure: UpstreamFailure | None = None
-            number, reason = 0, None
-            while targets:
-                target = targets.pop(0)
-                outcome = await self._attempt(
-                    attempt, number, target, routings.get(target.pool.name, routing), routing,
-                    retry_left=bool(targets), watch=watch, reason=reason,
-                )
-                number += 1
-                if isinstance(outcome, list):  # refused as too long: the larger pools' replicas instead
-                    targets, reason = outcome, "overlength_retry"
-                    continue
-                if not isinstance(outcome, UpstreamFailure):
-                    return outcome
-                last_failure = outcome
-            assert last_failure is not None
-            raise last_failure
+            return await self._try(attempt, targets, payload, routing, routings, heal=choice.reason != "forced")
         except asyncio.CancelledError:
-            if not watch.disconnected:
+            if not attempt.watch.disconnected:
                 raise
             task = asyncio.current_task()
             if task is not None:
@@ -311,171 +274,70 @@ class Coordinator:
             await self.finished(record)
             return Response(status_code=499)
         finally:
-            watch.stop()
+            attempt.watch.stop()
 
-    async def send(
-        self, attempt: _Attempts, number: int, pool: PoolRuntime, replica: Replica, reason: str,
-        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch,
-    ) -> Response | StreamRelay | UpstreamFailure | list[Target]:
-        """One upstream call on a collaborator's behalf (gateway/disagg.py's decode call), through `_attempt`."""
-        return await self._attempt(attempt, number, Target(pool, replica, reason, 0), routing, routing,
-                                   retry_left=retry_left, watch=watch, reason=reason, retried=False)
-
-    async def _attempt(
-        self, attempt: _Attempts, number: int, target: Target, dispatched_as: RoutingRequest,
-        routing: RoutingRequest, retry_left: bool, watch: DisconnectWatch, reason: str | None = None,
-        retried: bool | None = None,
-    ) -> Response | StreamRelay | UpstreamFailure | list[Target]:
-        """One upstream call. Returns the response to send, the failure to retry past, or, when the replica refused
-        the prompt as longer than its context and a larger pool can take it, that pool's targets."""
-        gw = self.gw
-        assert gw.session is not None
-        record = attempt.record
-        pool, replica = target.pool, target.replica
-        record.attempts = number + 1
-        record.retried = number > 0 if retried is None else retried
-        record.pool, record.replica = pool.name, replica.url
-        record.reason = reason or ("retry" if number else target.reason)
-        record.matched_blocks = target.matched_blocks
-        record.decision = target.decision
-        key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
-        headers = upstream_headers(attempt.raw_headers, key)
-        gw.telemetry.inject(record, headers)
-        extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url, **gw.traffic.response_headers(record)}
-        uncached = attempt.profile.prompt_tokens - target.matched_blocks * pool.config.block_size
-        guard = replica.guard(attempt.profile.prompt_tokens + attempt.profile.output_budget, max(0, uncached))
-        record.t_sent = gw.clock()
-        decision = target.decision
-        if decision is not None and decision.prefill_plan is not None and decision.replica == replica.url:
-            replica.plan_step(record.t_sent, decision.prefill_plan)
-        gw.policies[pool.name].dispatched(dispatched_as, replica.url, record.t_sent)
-        gw.shared.on_dispatch(pool.name, replica.url, routing)
-        upstream: aiohttp.ClientResponse | None = None
-        try:
-            upstream = await gw.session.post(replica.url + record.extra["path"], data=attempt.payload, headers=headers)
-            record.t_headers = gw.clock()
-            if upstream.status in RETRYABLE_STATUS and retry_left:
-                await upstream.read()
-                upstream.release()
-                attempt.answered_5xx.append(replica)
-                guard.release()
-                return UpstreamFailure(502, f"replica answered {upstream.status}", "upstream_error")
-            record.status = upstream.status
-            is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-            if upstream.status < 500:
+    async def _try(
+        self, attempt: Attempt, targets: list[Target], payload: bytes, routing: RoutingRequest,
+        routings: Mapping[str, RoutingRequest], heal: bool,
+    ) -> Response | StreamRelay:
+        """The targets in turn until one answers. A prompt a replica refuses as longer than its context goes on to
+        the smallest larger pool that holds it (`heal`: not when the caller forced the pool)."""
+        last: Failed | None = None
+        number, reason = 0, None
+        while targets:
+            target = targets.pop(0)
+            if number:
+                target = target._replace(reason=reason or "retry")
+            outcome = await self.upstream.send(
+                attempt, target, payload, routing, number=number, retried=number > 0, retry_left=bool(targets),
+                dispatched_as=routings.get(target.pool.name, routing),
+            )
+            number += 1
+            if isinstance(outcome, Failed):
+                if outcome.kind == "answered_5xx":
+                    attempt.answered_5xx.append(target.replica)
+                last = outcome
+                continue
+            if attempt.record.status < 500:
                 # A request every replica answers with a 5xx is the request's fault (one client's odd input must
                 # not eject replicas); one another replica serves was the failed replica's.
                 for failed in attempt.answered_5xx:
-                    failed.record_failure(gw.clock(), answered=True)
-                if not is_sse:  # a stream is judged when it ends (`finished`): one broken after its first
-                    replica.record_success()  # byte counts against its replica like a failure before it
-            if is_sse:
-                # Hold the client's 200 back until the first token's event: a replica that dies during
-                # prefill is then still retried elsewhere, unseen, instead of breaking a started stream.
-                first_chunk = await upstream.content.readany()
-                record.t_first_byte = gw.clock()
-                guard.first_token()  # its prefill no longer waits ahead of the replica's next requests
-                plan = decision.prefill_plan if decision is not None else None
-                if plan is not None and first_chunk and decision.replica == replica.url:
-                    # the engine cost behind the replica's step clock learns at once, not when the stream ends
-                    model = gw.latency.get(pool.name)
-                    if model is not None:
-                        actual = record.t_first_byte - record.t_sent
-                        model.learn_cost(plan[1], actual - plan[0], actual)
-                watch.stop()  # the StreamRelay watches for the disconnect from here on
-                return StreamRelay(
-                    upstream, response_headers(upstream.headers, extra), guard, record,
-                    attempt.strip_usage, self.finished, first_chunk=first_chunk,
-                )
-            try:
-                body = await upstream.read()
-            finally:
-                upstream.release()
-                guard.release()
-            if upstream.status == 400 and attempt.heal and (larger := self._larger_pool(attempt, pool, body, routing)):
-                return larger
-            if record.session is not None and gw.sessions is not None:
-                gw.sessions.answered(record, body)
-            record.t_first_byte = record.t_last_byte = gw.clock()
-            if upstream.status == 200 and "content-encoding" not in upstream.headers:
-                record.usage = usage_of(body)
-            await self.finished(record)
-            return RawResponse(upstream.status, response_headers(upstream.headers, extra), body)
-        except (aiohttp.ClientError, OSError) as exc:
-            guard.release()
-            if upstream is not None:
-                upstream.release()
-            replica.record_failure(gw.clock())
-            return UpstreamFailure(
-                502, f"replica {replica.url} of pool '{pool.name}' is unreachable ({type(exc).__name__})",
-                "upstream_unreachable",
-            )
-        except asyncio.TimeoutError:
-            guard.release()
-            if upstream is not None:
-                upstream.release()
-            replica.record_failure(gw.clock())
-            return UpstreamFailure(
-                504, f"replica {replica.url} of pool '{pool.name}' did not answer in time", "upstream_timeout"
-            )
-        except BaseException:
-            guard.release()
-            if upstream is not None:
-                upstream.release()
-            raise
+                    failed.record_failure(self.gw.clock(), answered=True)
+            if isinstance(outcome, Streamed):
+                return outcome.relay
+            if outcome.status == 400 and heal and (larger := self._larger_pool(attempt, target.pool, outcome.body,
+                                                                               routing)):
+                targets, reason = larger, "overlength_retry"
+                continue
+            return await self.upstream.complete(attempt.record, outcome)
+        assert last is not None
+        raise last.error()
 
     def _larger_pool(
-        self, attempt: _Attempts, pool: PoolRuntime, body: bytes, routing: RoutingRequest
+        self, attempt: Attempt, pool: PoolRuntime, body: bytes, routing: RoutingRequest
     ) -> list[Target] | None:
         """The targets of the smallest larger pool that can hold a prompt this pool's replica refused as too long;
         what the replica counted also teaches the pool's estimate ratio."""
         counted = overlength_tokens(body)
         if counted is None:
             return None
-        gw = self.gw
-        record = attempt.record
-        if counted and record.prompt_tokens_raw:
-            self._learn_ratio(pool.name, record.prompt_tokens_raw, counted)
-        larger = after_overlength(attempt.profile, [p.config for p in gw.pools.values()], pool.config, counted)
+        self.learning.overlength(pool.name, attempt.record, counted)
+        larger = after_overlength(attempt.profile, [p.config for p in self.gw.pools.values()], pool.config, counted)
         if larger is None:
             return None
         return self.choose_replicas(larger, replace(routing, prompt_tokens=max(counted, routing.prompt_tokens))) or None
 
-    def _learn_ratio(self, pool: str, estimated: int, counted: int) -> None:
-        if self.gw.estimates.observe(pool, estimated, counted):
-            log.warning("pool %s: its replicas count %.2f× the gateway's token estimate; pool choice now corrects "
-                        "for it (set classification.calibration_factor to match)", pool, self.gw.estimates.ratio(pool))
-
     # 6. finished -------------------------------------------------------------------------------------------
     async def finished(self, record: RequestRecord) -> None:
-        """Called exactly once per request, however it ended: frees its admission slot, feeds latency estimates
-        back, then telemetry. Idempotent, so a late error path cannot count a request twice."""
-        if record.extra.get("finished"):
+        """Called exactly once per request, however it ended: frees its admission slot, judges and learns from its
+        answer, then telemetry. Idempotent, so a late error path cannot count a request twice."""
+        if record.done:
             return
-        record.extra["finished"] = True
+        record.done = True
         gw = self.gw
         gw.traffic.finished(record)
         self.disagg.finished(record)
-        if record.status == 200 and record.t_first_byte and record.stream:
-            pool = gw.pools.get(record.pool)
-            replica = pool.replicas.get(record.replica) if pool else None
-            if replica is not None:
-                if record.client_disconnected:
-                    pass  # says nothing about the replica
-                elif record.error is None:
-                    replica.record_success()
-                else:  # the replica broke the stream mid-way: a failure like a 5xx answer (ejects when repeated)
-                    replica.record_failure(gw.clock(), answered=True)
-                usage = record.usage or {}
-                completion = usage.get("completion_tokens") or 0
-                prompt = usage.get("prompt_tokens") or record.prompt_tokens_est
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                replica.observe_latency(  # a P/D decode replica pulled its prompt: no prefill rate to learn
-                    0 if record.extra.get("pd") else max(0, prompt - cached), record.t_first_byte - record.t_sent,
-                    completion, record.t_last_byte - record.t_first_byte,
-                )
-        if record.status == 200 and record.usage:
-            self._learn_from_answer(record, record.usage)
+        self.learning.finished(record, self._judge_stream(record))
         if record.session is not None and gw.sessions is not None:
             ids = record.trace
             gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)
@@ -483,44 +345,23 @@ class Coordinator:
         gw.capacity.observe(record)  # demand and decode cost behind the capacity signal
         gw.telemetry.finish(record)
 
-    def _learn_from_answer(self, record: RequestRecord, usage: dict[str, Any]) -> None:
-        """What one answer teaches the estimates: the token ratio, the pool's TTFT calibration (a complete stream's
-        first token, timed from the send), and the class's output length."""
-        gw = self.gw
-        counted = usage.get("prompt_tokens")
-        if record.prompt_tokens_raw and isinstance(counted, int):
-            self._learn_ratio(record.pool, record.prompt_tokens_raw, counted)
-        decision = record.decision
-        if (decision is not None and decision.features is not None and record.stream and record.t_first_byte
-                and record.error is None and not record.client_disconnected and not record.retried):
-            calibrator = gw.latency.get(record.pool)
-            if calibrator is not None:
-                calibrator.learn(decision.features, record.t_first_byte - record.t_sent)
-        completion = usage.get("completion_tokens")
-        if isinstance(completion, int) and record.error is None:
-            gw.output_lengths.observe(record.traffic_class, record.thinking_mode, completion)
+    def _judge_stream(self, record: RequestRecord) -> Replica | None:
+        """A stream that started is judged by how it ended: its replica, to learn its latency from, or None."""
+        if record.status != 200 or not record.t_first_byte or not record.stream:
+            return None
+        pool = self.gw.pools.get(record.pool)
+        replica = pool.replicas.get(record.replica) if pool else None
+        if replica is None or record.client_disconnected:  # a client gone says nothing about the replica
+            return replica
+        if record.error is None:
+            replica.record_success()
+        else:  # the replica broke the stream mid-way: a failure like a 5xx answer (ejects when repeated)
+            replica.record_failure(self.gw.clock(), answered=True)
+        return replica
 
     def _sheddable(self, record: RequestRecord) -> bool:
         cls = self.gw.config.traffic.classes.get(record.traffic_class)
         return cls is not None and cls.sheddable
-
-
-class _Attempts:
-    """What every attempt of one request shares: the bytes to send, and the replicas that answered it with a 5xx
-    (blamed only if another replica answers this request without one)."""
-
-    __slots__ = ("request", "record", "payload", "strip_usage", "profile", "heal", "raw_headers", "answered_5xx")
-
-    def __init__(self, request: Request, record: RequestRecord, payload: bytes, strip_usage: bool,
-                 profile: RequestProfile, heal: bool):
-        self.request = request
-        self.record = record
-        self.payload = payload
-        self.strip_usage = strip_usage
-        self.profile = profile
-        self.heal = heal  # an over-length refusal may be retried in a larger pool (not when the caller forced one)
-        self.raw_headers = request.scope["headers"]
-        self.answered_5xx: list[Replica] = []
 
 
 def _shed(record: RequestRecord, target: Target) -> RetryLater:

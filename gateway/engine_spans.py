@@ -53,6 +53,7 @@ from starlette.routing import Route
 
 from gateway.errors import error_response
 from gateway.metrics import RequestMetrics
+from gateway.record import EngineSplit, RequestRecord
 from policies.config import TracingConfig
 
 log = logging.getLogger("m3gate.engine_spans")
@@ -234,8 +235,8 @@ class EngineSpans:
         self.enabled = False
         self.max_bytes = 4 * 1024 * 1024
         self._sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-        # span id → (trace id, pool, class, the request's `extra`, where the split is noted for the status page)
-        self._attempts: dict[int, tuple[int, str, str, dict[str, Any] | None]] = {}
+        # span id → (trace id, pool, class, the request's record, where the split is noted for the status page)
+        self._attempts: dict[int, tuple[int, str, str, RequestRecord | None]] = {}
         self._order: deque[tuple[float, int]] = deque()  # (sent at, span id) of the last MAX_ATTEMPTS, oldest first
         self._resolved: dict[str, tuple[frozenset[str], float]] = {}  # replica host name → (addresses, when)
         self.forwarder: Forwarder | None = None
@@ -270,11 +271,11 @@ class EngineSpans:
 
     # the join --------------------------------------------------------------------------------------------------
     def remember(self, trace_id: int, span_id: int, pool: str, klass: str,
-                 extra: dict[str, Any] | None = None) -> None:
-        """A sampled attempt was sent (event loop): its replica's llm_request span will name it as parent. `extra`:
-        the request record's, which gets the engine's split (`extra["engine"]`) for the status page's waterfall."""
+                 record: RequestRecord | None = None) -> None:
+        """A sampled attempt was sent (event loop): its replica's llm_request span will name it as parent. `record`
+        gets the engine's split (`record.engine`) for the status page's waterfall."""
         now = self._clock()
-        self._attempts[span_id] = (trace_id, pool, klass, extra)
+        self._attempts[span_id] = (trace_id, pool, klass, record)
         order = self._order
         order.append((now, span_id))
         if len(order) > MAX_ATTEMPTS or now - order[0][0] > ATTEMPT_TTL_S:
@@ -303,7 +304,7 @@ class EngineSpans:
             if metrics is not None:
                 metrics.engine_stages(entry[1], entry[2], queue, prefill, decode)
             if entry[3] is not None:
-                entry[3]["engine"] = {"queue_s": queue, "prefill_s": prefill, "decode_s": decode}
+                entry[3].engine = EngineSplit(queue, prefill, decode)
         self.spans["joined"] += joined
         self.spans["unmatched"] += len(timings) - joined
         self.spans["other"] += spans - len(timings)

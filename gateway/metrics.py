@@ -39,8 +39,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.record import RequestRecord
+from policies.vllm_wire import usage_counts
 from pools.replicas import PoolRuntime
-from pools.sessions import usage_counts
 
 # Latency buckets from 1 ms to 10 min. Where vLLM has a boundary (TTFT: 1 ms … 160 s; request latency: 0.3 s … 480 s)
 # the same one is used, so gateway and replica histograms of one stage can be compared bucket for bucket.
@@ -404,7 +404,9 @@ class RequestMetrics:
         series.e2e.observe((record.t_last_byte or now) - record.t_arrival)
         series.queue.observe(max(0.0, record.t_admitted - record.t_routed) if record.t_admitted else 0.0)
         if not record.retried:  # a retried request's t_sent is its last attempt's (a disaggregated one's: decode's)
-            series.overhead.observe(gateway_overhead_s(record, record.extra.get("pd_first_sent") or record.t_sent))
+            pd = record.pd
+            series.overhead.observe(gateway_overhead_s(record, pd.first_sent if pd is not None and pd.first_sent
+                                                       else record.t_sent))
         self.estimated_tokens.inc(by_class, record.prompt_tokens_est)
         if record.matched_blocks:
             runtime = self._gateway.pools.get(pool)
@@ -413,10 +415,7 @@ class RequestMetrics:
         usage = record.usage
         completion = 0
         if usage:
-            prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
-            completion = usage.get("completion_tokens") or usage.get("output_tokens") or 0
-            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-            cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+            prompt, completion, cached = usage_counts(usage)
             self.prompt_tokens.inc(by_class, float(prompt))
             self.output_tokens.inc(by_class, float(completion))
             if cached:
@@ -453,7 +452,7 @@ class RequestMetrics:
         self.turns.inc((*by_class, t.kind, cache, turn.source))
         usage = record.usage
         if usage and record.status == 200:
-            counted = turn.counted  # the session tracker's count, when it made one (pools/sessions.usage_counts)
+            counted = turn.counted  # the session tracker's count, when it made one (usage_counts)
             if counted is not None:
                 prompt, cached = counted
             else:

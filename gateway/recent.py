@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any
 
 from gateway.record import RequestRecord
+from policies.vllm_wire import usage_counts
 
 WATCH_S = 30.0  # how long one poll of /ui/state keeps the ring recording
 
@@ -58,25 +59,25 @@ def waterfall(record: RequestRecord, now: float, wall_now: float) -> dict[str, A
     if record.t_admitted and record.t_routed:
         stage("gateway queue", record.t_routed, record.t_admitted)
     stage("dispatch", record.t_admitted or routed, record.t_sent)
-    engine = record.extra.get("engine")  # {"queue_s": .., "prefill_s": ..} when engine spans are known
+    engine = record.engine  # the replica's own split, when its span was joined
     first = record.t_first_byte or (record.t_last_byte if not record.stream else 0.0)
     if record.t_sent and first:
-        if isinstance(engine, dict) and engine.get("queue_s") is not None:
-            queue_end = record.t_sent + float(engine["queue_s"])
+        if engine is not None and engine.queue_s is not None:
+            queue_end = record.t_sent + engine.queue_s
             stage("engine queue", record.t_sent, min(queue_end, first))
             stage("prefill", min(queue_end, first), first)
         else:
             stage("engine queue + prefill", record.t_sent, first)
     if record.stream and record.t_first_byte and record.t_last_byte:
         stage("decode", record.t_first_byte, record.t_last_byte)
-    usage = record.usage or {}
+    prompt, output, _ = usage_counts(record.usage)
     return {
         "at": round(wall_now - (now - t0), 3),
         "api": record.api, "stream": record.stream, "pool": record.pool or record.first_pool,
         "replica": record.replica, "class": record.traffic_class, "thinking_mode": record.thinking_mode,
         "status": 499 if record.client_disconnected else record.status, "error": record.error,
         "retried": record.retried, "reason": record.reason,
-        "prompt_tokens": usage.get("prompt_tokens", record.prompt_tokens_est),
-        "output_tokens": usage.get("completion_tokens"),
+        "prompt_tokens": prompt if record.usage else record.prompt_tokens_est,
+        "output_tokens": output if record.usage else None,
         "total_ms": round((end - t0) * 1000, 3), "stages": stages,
     }

@@ -6,8 +6,35 @@ lives at the bottom of `gateway/` and imports nothing of m3gate's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+
+class Releasable(Protocol):
+    """A held resource freed once when the request ends (gateway/admission.py's admission ticket)."""
+
+    def release(self) -> None: ...
+
+
+class EngineSplit(NamedTuple):
+    """The replica's own timing of the request (its llm_request span; None: not reported), for the status page."""
+
+    queue_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+
+
+@dataclass(slots=True)
+class PDRecord:
+    """What happened on a disaggregated pool's path (gateway/disagg.py)."""
+
+    path: str = ""  # the decider's path (policies.disagg.PATHS), or "prefill_failed"
+    role: str = ""  # the side of the call in progress: prefill | decode | "" (the ordinary path, no P/D)
+    prefilled: bool = False  # a prefill replica computed the prompt: the decode replica only pulled its KV
+    off_loop: bool = False  # the body is large: parsed and serialised in a worker thread
+    first_sent: float = 0.0  # the first call's send time (the gateway's own overhead ends there)
+    prefill_s: float = 0.0  # the successful prefill call, sent → answered
+    prefill_replica: str = ""
 
 
 @dataclass(slots=True)
@@ -45,4 +72,10 @@ class RequestRecord:
     error: str | None = None
     client_disconnected: bool = False
     trace: Any = None  # telemetry's per-request state (span), opaque to everything else
-    extra: dict[str, Any] = field(default_factory=dict)
+    path: str = ""  # the request's URL path, which the upstream call repeats
+    done: bool = False  # `Coordinator.finished` ran (it runs once)
+    pd: PDRecord | None = None  # the P/D path's state, on a disaggregated pool only
+    itl: tuple[list[float], tuple[float, ...]] | None = None  # a stream's inter-token series (metrics.BucketSeries)
+    engine: EngineSplit | None = None  # the replica's timing, once its span was joined (gateway/engine_spans.py)
+    admission_ticket: Releasable | None = None  # the admission slot, held until `finished`
+    ratelimit_headers: dict[str, str] | None = None  # the key's x-ratelimit-* headers, once its quota was checked

@@ -195,26 +195,50 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
+class Held:
+    """What one upstream attempt holds: the replica's load guard and the upstream response, released together,
+    once, on every path (gateway/upstream.py; a stream's `StreamRelay` releases it when the stream ends)."""
+
+    __slots__ = ("guard", "response")
+
+    def __init__(self, guard: LoadGuard) -> None:
+        self.guard = guard
+        self.response: aiohttp.ClientResponse | None = None
+
+    def close(self, abort: bool = False) -> None:
+        """Release both. `abort`: close the connection (how vLLM learns to abort), not return it to the pool."""
+        response, self.response = self.response, None
+        if response is not None:
+            if abort:
+                response.close()
+            else:
+                response.release()
+        self.guard.release()
+
+
 class StreamRelay:
     """ASGI response that pumps an open upstream SSE response to the client.
 
-    It owns the upstream response and the replica's load guard and releases both however the stream ends: upstream
-    finished, upstream broke (→ SSE error event), or the client went away (→ upstream closed, so vLLM aborts).
+    It owns the attempt's `Held` (the upstream response and the replica's load guard) and releases it however the
+    stream ends: upstream finished, upstream broke (→ SSE error event), or the client went away (→ upstream closed,
+    so vLLM aborts).
     """
 
     def __init__(
         self,
-        upstream: aiohttp.ClientResponse,
+        held: Held,
+        status: int,
         headers: list[tuple[bytes, bytes]],
-        guard: LoadGuard,
         record: RequestRecord,
         strip_usage: bool,
         on_done: Callable[[RequestRecord], Awaitable[None] | None],
         first_chunk: bytes = b"",
     ) -> None:
-        self.upstream = upstream
+        assert held.response is not None
+        self.held = held
+        self.upstream = held.response
+        self.status = status
         self.headers = headers
-        self.guard = guard
         self.record = record
         self.filter = SseFilter(strip_usage)
         self.on_done = on_done
@@ -234,20 +258,29 @@ class StreamRelay:
             watch.cancel()
             if not pump.done():
                 pump.cancel()
-            self.upstream.close()  # closing the connection is how vLLM learns to abort
-            self.guard.release()
+            self.held.close(abort=True)  # closing the connection is how vLLM learns to abort
             self.record.t_last_byte = self.record.t_last_byte or time.monotonic()
             result = self.on_done(self.record)
             if asyncio.iscoroutine(result):
                 await result
 
+    async def read_ahead(self) -> bytes:
+        """More of the stream before any of it is relayed: appended to what the client gets first."""
+        more = await self.upstream.content.readany()
+        self.first_chunk += more
+        return more
+
+    def abandon(self) -> None:
+        """A stream never handed to the client: closed (vLLM aborts) and its in-flight count released."""
+        self.held.close(abort=True)
+
     async def _pump(self, send: Send) -> None:
         record = self.record
-        await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         filt = self.filter
         # telemetry's inter-token latency series for this stream, if any (metrics.BucketSeries): observed inline,
         # one bucket count per gap (~0.1 µs a chunk); the gaps' sum, last chunk - first, is added once at the end
-        itl = record.extra.get("itl")
+        itl = record.itl
         counts, bounds = itl if itl is not None else (None, ())
         last = record.t_first_byte
         turn = record.session  # an agent session's turn: its answer's tool-call ids are read as the bytes pass
@@ -293,7 +326,7 @@ class DisconnectWatch:
     """Cancels the handler if the client goes away while it waits on a replica; the cancellation closes the
     upstream connection, which is how vLLM learns to abort. The watching task starts only once the request has
     waited a little (`DisconnectWatches.delay`, 0.1 s): most answers come sooner, and a task per request (created,
-    then cancelled) was ~3% of the gateway's CPU. A client gone earlier is noticed then, so a replica may compute
+    then cancelled) would cost ~3% of the gateway's CPU. A client gone earlier is noticed then, so a replica may compute
     up to 0.1 s for nobody. Stop it before handing the
     response to a `StreamRelay` (which watches for itself), so it cannot swallow the disconnect message."""
 
@@ -372,12 +405,3 @@ class RawResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.body})
 
-
-def usage_of(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a complete JSON answer, if it has one."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None

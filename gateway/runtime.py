@@ -74,7 +74,7 @@ class Gateway:
         self.policies = {
             name: (None if policy_changed or name in rebuilt else self.policies.get(name))
             or build_policy(config.routing.policy, prefix_index=self.precise.matcher(name),
-                            calibrator=self.latency.setdefault(name, TtftCalibrator()), **_policy_params(config))
+                            calibrator=self.latency.setdefault(name, TtftCalibrator()), **policy_params(config))
             for name in self.pools
         }
         for name in [n for n in self.latency if n not in self.pools]:
@@ -109,9 +109,7 @@ class Gateway:
         return notes
 
     def telemetry_reload(self, ok: bool) -> None:
-        hook = getattr(self.telemetry, "config_reloaded", None)
-        if hook is not None:
-            hook(ok)
+        self.telemetry.config_reloaded(ok)
 
     # lifecycle ---------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -174,7 +172,7 @@ class Gateway:
             policy.dispatched(request, replica, self.clock())
 
     def _session_ended(self, session: Session) -> None:
-        metrics = getattr(self.telemetry, "metrics", None)
+        metrics = self.telemetry.metrics
         if metrics is not None:
             metrics.requests.session_ended(session)
 
@@ -182,8 +180,9 @@ class Gateway:
         return {r.url: r.in_flight for r in self.all_replicas()}
 
 
-def _policy_params(config: GatewayConfig) -> dict[str, float]:
-    """The routing tunables the config exposes (round_robin takes none)."""
+def policy_params(config: GatewayConfig) -> dict[str, float]:
+    """The routing tunables the config exposes (round_robin takes none): for every policy built from the config,
+    the pools' own and a disaggregated pool's prefill policy (gateway/disagg.py)."""
     if config.routing.policy == "round_robin":
         return {}
     return {"load_epsilon": config.routing.load_epsilon, "load_slack": config.routing.load_slack}

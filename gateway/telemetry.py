@@ -58,9 +58,19 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.trace.status import Status, StatusCode
 
 from gateway.engine_spans import EngineSpans
-from gateway.metrics import GatewayMetrics, error_type, gateway_overhead_s, routing_reason
+from gateway.metrics import (
+    STAGE_BUCKETS,
+    CounterTable,
+    GatewayMetrics,
+    HistogramTable,
+    error_type,
+    gateway_overhead_s,
+    routing_reason,
+)
 from gateway.record import RequestRecord
 from policies.config import TelemetryConfig, TracingConfig
+from policies.disagg import PATHS
+from policies.vllm_wire import usage_counts
 
 log = logging.getLogger("m3gate.telemetry")
 
@@ -460,7 +470,9 @@ class Tracing:
     def attempt(self, record: RequestRecord, ids: TraceIds, headers: MutableMapping[str, str]) -> None:
         span_id = self._new_span_id()
         if ids.sampled:
-            ids.attempts.append((span_id, self._clock(), record.pool, record.replica, record.extra.get("pd_role", "")))
+            pd = record.pd
+            role = pd.role if pd is not None else ""
+            ids.attempts.append((span_id, self._clock(), record.pool, record.replica, role))
         headers["traceparent"] = f"00-{ids.trace_id_hex}-{span_id:016x}-{'01' if ids.sampled else '00'}"
         state = ids.trace_state
         if state is not _EMPTY_STATE and state:
@@ -479,10 +491,7 @@ class Tracing:
         usage = record.usage
         input_tokens = output_tokens = cached = None
         if usage:
-            output_tokens = usage.get("completion_tokens") or usage.get("output_tokens")
-            input_tokens = usage.get("prompt_tokens") or usage.get("input_tokens")
-            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            input_tokens, output_tokens, cached = usage_counts(usage)
         err = error_type(record)
         attempts = ids.attempts
         first_send = attempts[0][1] if attempts else record.t_sent
@@ -490,7 +499,7 @@ class Tracing:
         admitted, routed, first = record.t_admitted, record.t_routed, record.t_first_byte
         pool = record.pool or record.first_pool or None
         replica = record.replica or None
-        path = record.extra.get("path", "")
+        path = record.path
         streamed = record.stream and status == 200 and first
         attempt_error = None
         if status >= 500 or (record.error or "").startswith("upstream"):
@@ -579,23 +588,7 @@ class Tracing:
             out.append(Span(name, context, server, CLIENT, sent_ns, max(sent_ns, end_ns), attempt_attrs, (),
                             UNSET if attempt_error is None else Status(StatusCode.ERROR, attempt_error)))
             if first and headers_at >= sent:
-                first_ns = offset + int(first * 1e9)
-                new_id = self._new_span_id
-                prefill: dict[str, Any] = {}
-                if input_tokens is not None:
-                    prefill["gen_ai.usage.input_tokens"] = input_tokens
-                if cached is not None:
-                    prefill["gen_ai.usage.cache_read.input_tokens"] = cached
-                out.append(Span("m3gate.kv_transfer" if role == "decode" else "m3gate.prefill",  # P/D: pull + 1 step
-                                _context(trace_id, new_id(), state), context, INTERNAL, sent_ns,
-                                max(sent_ns, first_ns), prefill))
-                decode: dict[str, Any] = {}
-                if output_tokens is not None:
-                    decode["gen_ai.usage.output_tokens"] = output_tokens
-                    if output_tokens > 1:
-                        decode["m3gate.tpot_ms"] = (end - first) * 1000 / (output_tokens - 1)
-                out.append(Span("m3gate.decode", _context(trace_id, new_id(), state), context, INTERNAL, first_ns,
-                                max(first_ns, end_ns), decode))
+                out.extend(self._stage_spans(snapshot, context, state, role, sent_ns))
         attrs = {key: value for key, value in zip(SERVER_KEYS, values) if value is not None}
         link_trace, link_span = attrs.pop(_LINK_TRACE, None), attrs.pop(_LINK_SPAN, None)
         span = Span(values[0] + " " + values[1], server, parent, SERVER, offset + int(arrival * 1e9), end_ns,
@@ -604,6 +597,30 @@ class Tracing:
             span._links = (Link(_context(link_trace, link_span, _EMPTY_STATE), {"m3gate.link": "previous_turn"}),)
         out.append(span)
         return out
+
+    def _stage_spans(self, snapshot: tuple[Any, ...], attempt: SpanContext, state: TraceState, role: str,
+                     sent_ns: int) -> tuple[ReadableSpan, ReadableSpan]:
+        """A stream's two stages under its final attempt: sent → first token (`m3gate.prefill`; for a P/D decode
+        call `m3gate.kv_transfer`: the KV pull and one step), then first → last token (`m3gate.decode`)."""
+        trace_id, offset, end, first = snapshot[0], snapshot[3], snapshot[6], snapshot[11]
+        input_tokens, output_tokens, cached = snapshot[17], snapshot[18], snapshot[19]
+        Span, new_id = self._span_class, self._new_span_id
+        first_ns, end_ns = offset + int(first * 1e9), offset + int(end * 1e9)
+        prefill: dict[str, Any] = {}
+        if input_tokens is not None:
+            prefill["gen_ai.usage.input_tokens"] = input_tokens
+        if cached is not None:
+            prefill["gen_ai.usage.cache_read.input_tokens"] = cached
+        decode: dict[str, Any] = {}
+        if output_tokens is not None:
+            decode["gen_ai.usage.output_tokens"] = output_tokens
+            if output_tokens > 1:
+                decode["m3gate.tpot_ms"] = (end - first) * 1000 / (output_tokens - 1)
+        name = "m3gate.kv_transfer" if role == "decode" else "m3gate.prefill"
+        return (Span(name, _context(trace_id, new_id(), state), attempt, INTERNAL, sent_ns, max(sent_ns, first_ns),
+                     prefill),
+                Span("m3gate.decode", _context(trace_id, new_id(), state), attempt, INTERNAL, first_ns,
+                     max(first_ns, end_ns), decode))
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -647,6 +664,41 @@ SERVER, CLIENT, INTERNAL = SpanKind.SERVER, SpanKind.CLIENT, SpanKind.INTERNAL
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The P/D path's tables
+
+PD_BUCKETS = (*STAGE_BUCKETS, 60.0, 120.0, 300.0)
+
+
+class PDMetrics:
+    """The disaggregated path's decisions and stages (gateway/disagg.py), built with the metrics registry."""
+
+    def __init__(self, registry: Any) -> None:
+        labels = ("pool", "class")
+        self.decisions = CounterTable(registry, "m3gate_pd_decisions", "Requests to disaggregated pools by the "
+                                      "decider's path (disaggregated, decode_short, decode_cached, decode_no_prefill, "
+                                      "decode_unsupported).", ("pool", "path"))
+        self.stages = {
+            "prefill": HistogramTable(registry, "m3gate_pd_prefill_seconds", "Disaggregated requests: the prefill "
+                                      "call (sent to the prefill replica until its answer).", labels, PD_BUCKETS),
+            "transfer": HistogramTable(registry, "m3gate_pd_transfer_seconds", "Disaggregated streams: sent to the "
+                                       "decode replica until its first token (KV pull + one step).", labels,
+                                       PD_BUCKETS),
+            "decode": HistogramTable(registry, "m3gate_pd_decode_seconds", "Disaggregated requests: first to last "
+                                     "token on the decode replica (non-streamed: the whole decode call).", labels,
+                                     PD_BUCKETS),
+        }
+
+    def decision(self, pool: str, path: str) -> None:
+        if not self.decisions.values:  # every path's series from the first decision on
+            for each in PATHS:
+                self.decisions.values.setdefault((pool, each), 0.0)
+        self.decisions.inc((pool, path))
+
+    def stage(self, stage: str, record: RequestRecord, seconds: float) -> None:
+        self.stages[stage].observe((record.pool, record.traffic_class or record.pool), max(0.0, seconds))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The gateway's facade
 
 
@@ -665,6 +717,7 @@ class Telemetry:
         self._clock: Callable[[], float] = gateway.clock
         self._registry = GatewayMetrics(gateway) if cfg.metrics else None  # kept while metrics are off
         self.metrics = self._registry
+        self._pd = PDMetrics(self._registry.registry) if self._registry is not None else None
         self.tracing = self._build_tracing(cfg)
         self._retiring: set[Tracing] = set()
         self._off = self.metrics is None and self.tracing is None
@@ -709,9 +762,9 @@ class Telemetry:
             ids.owner.attempt(record, ids, headers)
             if ids.sampled and self.engine_spans.enabled:  # its replica's llm_request span will name this attempt
                 self.engine_spans.remember(ids.trace_id, ids.attempts[-1][0], record.pool,
-                                           record.traffic_class or record.pool, record.extra)
+                                           record.traffic_class or record.pool, record)
         if record.stream and self.metrics is not None:
-            record.extra["itl"] = self.metrics.requests.itl_series(record)
+            record.itl = self.metrics.requests.itl_series(record)
 
     def finish(self, record: RequestRecord) -> None:
         """Once, when the request is over however it ended: histograms, then the span tree (if sampled)."""
@@ -737,6 +790,16 @@ class Telemetry:
         except Exception:  # noqa: BLE001 - telemetry must never fail a request
             log.exception("telemetry failed for a %s request", record.api)
 
+    def pd_decision(self, pool: str, path: str) -> None:
+        """A disaggregated pool's decider chose `path` for a request."""
+        if self.metrics is not None and self._pd is not None:
+            self._pd.decision(pool, path)
+
+    def pd_stage(self, stage: str, record: RequestRecord, seconds: float) -> None:
+        """A disaggregated request's prefill, transfer or decode stage took `seconds`."""
+        if self.metrics is not None and self._pd is not None:
+            self._pd.stage(stage, record, seconds)
+
     # reloads ---------------------------------------------------------------------------------------------------
     def apply_config(self, config: Any) -> bool:
         """A reload: apply changed telemetry settings now. Metrics on/off (the registry is kept while off, so
@@ -752,6 +815,7 @@ class Telemetry:
             if created:
                 self._registry = GatewayMetrics(self.gateway)
                 self._registry.registry.register(self.engine_spans)
+                self._pd = PDMetrics(self._registry.registry)
             else:
                 assert self._registry is not None
                 self._registry.resume(self._clock())

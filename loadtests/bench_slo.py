@@ -26,14 +26,14 @@ Printed per load level: SLO attainment (share of sent requests whose TTFT met th
 missing it) overall and per class, interactive TTFT p50/p95/p99, the other classes' p95, routing reasons; then the
 prediction quality, from every streamed request's decision as the gateway made it (the gateway runs wrapped by this
 module, `--serve-instrumented`, which logs each decision's calibrated median / P90 / runner-up beside the TTFT the
-gateway measured from the upstream send, and times `Coordinator._learn_from_answer`, where the model trains, inline):
+gateway measured from the upstream send, and times `Learning.learn_from_answer`, where the model trains, inline):
 
 - MAPE of the calibrated median: mean |actual − predicted| / actual (target ≤ 20%);
 - P90 coverage: share of requests at or under their predicted P90 (target 0.85–0.95);
 - not-fastest share: how often the chosen replica was probably not the fastest available, estimated without
   moving any traffic: the runner-up's predicted median × the pool's median actual/predicted ratio (its expected
   actual) is below the chosen one's actual TTFT;
-- training cost: the longest `_learn_from_answer` call (the stall it adds to the event loop), and the loop's longest
+- training cost: the longest `learn_from_answer` call (the stall it adds to the event loop), and the loop's longest
   lag seen by a 5 ms probe task in the gateway (everything that stalled it, and the shared cores' scheduling).
 
 Then PASS/FAIL for the issue's targets: attainment +10 points at 95% and 110%, interactive TTFT p95 ≤ 0.8× there,
@@ -201,9 +201,9 @@ def gateway_config(pools: Pools, slo_aware: bool, only: str | None = None) -> di
 
 def serve_instrumented(config_path: str, port: int, log_dir: str) -> int:
     """`m3gate serve`, plus: every streamed request's routing decision and measured TTFT/TPOT to decisions.jsonl,
-    the time each `_learn_from_answer` call (model training, inline on the loop) took, and a 5 ms loop-lag probe
+    the time each `learn_from_answer` call (model training, inline on the loop) took, and a 5 ms loop-lag probe
     whose worst lags go to loop_lag.json every second. Nothing about routing changes."""
-    from gateway import coordinator, runtime
+    from gateway import learning, runtime
     from gateway.server import serve
     from policies import latency_model, replica_choice
 
@@ -212,7 +212,7 @@ def serve_instrumented(config_path: str, port: int, log_dir: str) -> int:
     out = open(folder / "decisions.jsonl", "a", buffering=1 << 16)  # noqa: SIM115 - flushed by the probe, closed at exit
     clock = time.perf_counter_ns
     learn_ns: list[int] = []
-    original = coordinator.Coordinator._learn_from_answer
+    original = learning.Learning.learn_from_answer
 
     def learn(self: Any, record: Any, usage: dict[str, Any]) -> None:
         start = clock()
@@ -236,7 +236,7 @@ def serve_instrumented(config_path: str, port: int, log_dir: str) -> int:
             "t_first": record.t_first_byte, "t_last": record.t_last_byte,
         }) + "\n")
 
-    coordinator.Coordinator._learn_from_answer = learn  # type: ignore[method-assign]
+    learning.Learning.learn_from_answer = learn  # type: ignore[method-assign]
     raw_inputs: dict[int, dict[str, Any]] = {}  # id(features tuple) → the raw figures it was computed from
     features_of = replica_choice.PrefixAffinity._features
 
@@ -537,7 +537,7 @@ def summary_text(result: dict[str, Any]) -> str:
     lines += ["", "Prediction quality (the gateway's own decisions; TTFT from the upstream send):", "",
               ("| load | mode | TTFT MAPE (calibrated median): all / warmed up | P90 coverage: all / warmed up | "
                "actual ÷ predicted p50 | per pool MAPE / coverage (n) | chosen not the fastest (est.) | TPOT MAPE | "
-               "training µs: calibrator.learn max (CPU) / _learn_from_answer p99 / max | loop lag max ms |"),
+               "training µs: calibrator.learn max (CPU) / learn_from_answer p99 / max | loop lag max ms |"),
               "|---|---|---|---|---|---|---|---|---|---|"]
     for level in result["levels"]:
         for mode in level["rows"]:

@@ -190,7 +190,7 @@ def hook_cost_us(telemetry: dict[str, Any], n: int = 20_000, chunks: int = 16) -
     for i in range(n):
         t = time.monotonic()
         record = RequestRecord(api="chat", stream=True, t_arrival=t)
-        record.extra["path"] = "/v1/chat/completions"
+        record.path = "/v1/chat/completions"
         hooks.start(record, {"user-agent": "bench"})
         record.thinking_mode, record.prompt_tokens_est, record.first_pool, record.pool_reason = \
             "adaptive", 40, "interactive", "fits"
@@ -199,7 +199,7 @@ def hook_cost_us(telemetry: dict[str, Any], n: int = 20_000, chunks: int = 16) -
             "least_loaded", 1
         headers: dict[str, str] = {}
         hooks.inject(record, headers)
-        itl = record.extra.get("itl")  # what gateway/relay.py's pump does per chunk
+        itl = record.itl  # what gateway/relay.py's pump does per chunk
         if itl is not None:
             counts, bounds = itl
             first = last = time.monotonic()

@@ -38,11 +38,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeGuard, TypeVar
+from typing import Any, Generic, TypeVar
 
 import xxhash
 
 from policies.sessions import ID_SOURCES, TURN_KINDS, SessionIdentity, redacted
+from policies.vllm_wire import usage_counts
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -54,7 +55,6 @@ __all__ = [
     "Turn",
     "decode_events",
     "tool_key",
-    "usage_counts",
     "wall_clock",
 ]
 
@@ -94,34 +94,6 @@ def wall_clock(monotonic_t: float, now_monotonic: float | None = None, now_wall:
 def tool_key(call_id: str) -> int:
     """What is remembered of a tool-call id: its 64-bit hash (smaller than the string, and fixed-size on the wire)."""
     return xxhash.xxh3_64_intdigest(call_id.encode("utf-8", "surrogatepass"))
-
-
-def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
-    """isinstance(value, Mapping) without the ABC check for the usual dict and None (~1 µs each otherwise)."""
-    return type(value) is dict or (value is not None and isinstance(value, Mapping))
-
-
-def _count(value: Any) -> int:
-    return value if type(value) is int and value > 0 else 0
-
-
-def usage_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, completion, cached prompt) tokens of an answer's usage in any of the four APIs' shapes. Anthropic's
-    `input_tokens` excludes cache reads and writes, so the prompt is their sum there."""
-    if not _is_mapping(usage):
-        return 0, 0, 0
-    prompt = usage.get("prompt_tokens")
-    if prompt is not None:  # Chat and Completions, the common case
-        details = usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
-        return _count(prompt), _count(usage.get("completion_tokens")), cached
-    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
-        read = _count(usage.get("cache_read_input_tokens"))
-        prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
-        return prompt, _count(usage.get("output_tokens")), read
-    details = usage.get("input_tokens_details")
-    cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
-    return _count(usage.get("input_tokens")), _count(usage.get("output_tokens")), cached
 
 
 @dataclass(slots=True, eq=False)

@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 
 from policies.vllm_hash import block_hashes
+from policies.vllm_wire import tokenize_body
 
 __all__ = [
     "LocalTokenizer",
@@ -198,20 +199,8 @@ class ReplicaTokenizer:
 
     @staticmethod
     def payload(body: Mapping[str, Any], api: str, model: str) -> dict[str, Any] | None:
-        """The /tokenize body that renders exactly what the generate request will."""
-        if api == "chat":
-            out: dict[str, Any] = {"model": model, "messages": body.get("messages")}
-            for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                        "add_special_tokens", "chat_template", "documents"):
-                if key in body:
-                    out[key] = body[key]
-            return out
-        if api == "completions":
-            out = {"model": model, "prompt": body.get("prompt")}
-            if "add_special_tokens" in body:
-                out["add_special_tokens"] = body["add_special_tokens"]
-            return out
-        return None
+        """The /tokenize body that renders exactly what the generate request will (policies/vllm_wire.py)."""
+        return tokenize_body(body, api, model)
 
     async def token_ids(self, body: dict[str, Any], api: str, replica_url: str | None) -> tuple[list[int], bool] | None:
         payload = self.payload(body, api, self._model)

@@ -38,6 +38,7 @@ from gateway.engine_spans import (
     extract,
 )
 from gateway.precise import PreciseRouting
+from gateway.record import EngineSplit, RequestRecord
 from loadtests.bench_telemetry import OtlpSink
 from policies.config import GatewayConfig, TracingConfig
 from pools.prefix_index import PrefixIndex
@@ -180,8 +181,8 @@ def test_join_counts_each_remembered_attempt_once_and_only_in_its_trace() -> Non
     now = [100.0]
     spans = EngineSpans(lambda: recorder, lambda: now[0])  # type: ignore[arg-type, return-value]
     spans.configure(TracingConfig(receive_engine_spans=True), True)
-    extra: dict[str, object] = {}
-    spans.remember(trace_id=7, span_id=0xA1, pool="interactive", klass="batch", extra=extra)
+    record = RequestRecord(api="chat", stream=True, t_arrival=0.0)
+    spans.remember(trace_id=7, span_id=0xA1, pool="interactive", klass="batch", record=record)
     spans.remember(trace_id=8, span_id=0xB2, pool="long", klass="long")
     body = export(llm_request(7, 0xA1, 0.01, 0.2, 1.5), llm_request(9, 0xB2, 0.0, 0.1, 0.1),  # wrong trace
                   llm_request(7, 0xC3, 0.0, 0.1, 0.1),  # unknown parent
@@ -190,7 +191,7 @@ def test_join_counts_each_remembered_attempt_once_and_only_in_its_trace() -> Non
     assert count == 4 and len(timings) == 3
     assert spans.fold(timings, count) == 1
     assert recorder.seen == [("interactive", "batch", 0.01, 0.2, 1.5)]
-    assert extra["engine"] == {"queue_s": 0.01, "prefill_s": 0.2, "decode_s": 1.5}  # the status page's waterfall
+    assert record.engine == EngineSplit(queue_s=0.01, prefill_s=0.2, decode_s=1.5)  # the status page's waterfall
     assert spans.spans == {"joined": 1, "unmatched": 2, "other": 1}
     assert spans.fold(timings, count) == 0  # delivered again: not counted twice
     assert spans.tracked == 1  # 0xB2 still waits for its own trace's span

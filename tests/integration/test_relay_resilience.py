@@ -17,6 +17,7 @@ from pools.sim.launcher import SimProcess, running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}]}
+READ_TIMEOUT_S = 1.5  # server.upstream_read_timeout_s: how long a replica that never answers is waited for
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +26,13 @@ def replicas() -> Iterator[list[SimProcess]]:
         yield sims
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def gateway(replicas: list[SimProcess]) -> Iterator[GatewayProcess]:
+    """A gateway per test: no replica starts ejected (with its back-off) by the faults of the test before."""
     gw = start_gateway({
         "model": MODEL,
         "pools": [{"name": "interactive", "max_model_len": 8192, "endpoints": [s.url for s in replicas]}],
-        "server": {"health_interval_s": 0.3, "upstream_read_timeout_s": 1.5},
+        "server": {"health_interval_s": 0.3, "upstream_read_timeout_s": READ_TIMEOUT_S},
         "classification": {"output_budget": {"adaptive": 512, "enabled": 1024, "disabled": 256}},
     })
     try:
@@ -97,18 +99,46 @@ def test_5xx_before_first_byte_is_retried_on_the_other_replica(
     # ejected after EJECT_AFTER_5XX answered 5xx in a row, then with exponential back-off (1 s, 2 s, 4 s ...):
     # retried about log2(elapsed) more times, not once per request
     elapsed = time.monotonic() - started
-    assert broken.stats()["injected_errors"] <= EJECT_AFTER_5XX + int(elapsed).bit_length()
+    # tried until ejected (each 5xx then served by the other replica counts against it), and not much more
+    assert EJECT_AFTER_5XX <= broken.stats()["injected_errors"] <= EJECT_AFTER_5XX + int(elapsed).bit_length()
 
 
 def test_hung_replica_times_out_and_is_retried(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
+    """A replica that accepts the request and never answers costs the read timeout; the request is then retried on
+    the other replica, unseen: the client gets that replica's 200."""
     hung, good = replicas
     hung.set_faults(hang=True)
     client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=30)
-    started = time.monotonic()
-    for _ in range(3):
+    for _ in range(6):  # the policy may choose either replica first
+        before = hung.stats()["hung"]
+        started = time.monotonic()
         raw = client.chat.completions.with_raw_response.create(**CHAT, max_tokens=4)
-        assert raw.headers["x-m3gate-endpoint"] == good.url
-    assert time.monotonic() - started < 10
+        elapsed = time.monotonic() - started
+        assert raw.status_code == 200 and raw.headers["x-m3gate-endpoint"] == good.url
+        if hung.stats()["hung"] > before:
+            break
+    else:
+        pytest.fail("no request reached the hung replica")
+    assert hung.stats()["hung"] == before + 1
+    assert READ_TIMEOUT_S <= elapsed < READ_TIMEOUT_S + 5  # waited for the hung replica, then answered at once
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pool_of_hung_replicas_answers_504_upstream_timeout(
+    gateway: GatewayProcess, replicas: list[SimProcess], stream: bool
+) -> None:
+    for sim in replicas:
+        sim.set_faults(hang=True)
+    before = sum(s.stats()["hung"] for s in replicas)
+    started = time.monotonic()
+    resp = httpx.post(gateway.base_url + "/chat/completions", json={**CHAT, "max_tokens": 4, "stream": stream},
+                      timeout=30)
+    elapsed = time.monotonic() - started
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "upstream_timeout"
+    assert resp.json()["error"]["type"] == "timeout_error"
+    assert sum(s.stats()["hung"] for s in replicas) == before + 2  # both replicas were tried
+    assert 2 * READ_TIMEOUT_S <= elapsed < 2 * READ_TIMEOUT_S + 5
 
 
 def test_mid_stream_failure_ends_with_an_sse_error_event(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.admission import TICKET_KEY, AdmissionControl, ClientGone, Ticket, TrafficControl
+from gateway.admission import AdmissionControl, ClientGone, Ticket, TrafficControl
 from gateway.record import RequestRecord
 from policies.admission import (
     RETRY_AFTER_MAX_S,
@@ -392,7 +392,7 @@ async def test_the_traffic_view_shows_slots_waiters_and_ttft_against_target() ->
     assert view["pools"]["interactive"]["classes"]["interactive"] == {"in_flight": 1, "queued": 1}
     record = RequestRecord(api="chat", stream=True, t_arrival=clock.now, traffic_class="interactive", status=200,
                            t_first_byte=clock.now + 0.2)
-    record.extra[TICKET_KEY] = ticket
+    record.admission_ticket = ticket
     traffic.finished(record)  # frees the slot: the waiter gets it
     _, second = await asyncio.wait_for(waiting, 1)
     second.release()

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from gateway.disagg import _first_token_ok, prefill_body
+from gateway.disagg import _first_token_ok
+from policies.vllm_wire import prefill_body
 from policies.disagg import (
     DECODE_CACHED,
     DECODE_NO_PREFILL,
@@ -112,23 +113,17 @@ ERROR = (b'data: {"error": {"message": "Internal server error", "type": "Interna
          b'"code": 500}}\n\n')
 
 
-class _Content:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = chunks
-
-    async def readany(self) -> bytes:
-        return self.chunks.pop(0) if self.chunks else b""
-
-
-class _Upstream:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.content = _Content(chunks)
-
-
 class _Relay:
+    """A StreamRelay's read-ahead over a replica's chunks."""
+
     def __init__(self, first: bytes, rest: list[bytes]) -> None:
         self.first_chunk = first
-        self.upstream = _Upstream(rest)
+        self.rest = rest
+
+    async def read_ahead(self) -> bytes:
+        more = self.rest.pop(0) if self.rest else b""
+        self.first_chunk += more
+        return more
 
 
 @pytest.mark.parametrize(
@@ -144,7 +139,7 @@ class _Relay:
 def test_a_failed_kv_load_is_told_from_a_first_token(first: bytes, rest: list[bytes], ok: bool,
                                                     kept: bytes | None) -> None:
     relay = _Relay(first, list(rest))
-    assert asyncio.run(_first_token_ok(relay)) is ok
+    assert asyncio.run(_first_token_ok(relay)) is ok  # type: ignore[arg-type]
     if kept is not None:
         assert relay.first_chunk == kept  # nothing read ahead is lost: the relay sends it first
 

@@ -7,7 +7,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway.record import RequestRecord
+from gateway.record import PDRecord, RequestRecord
 from tests.unit.test_telemetry import A, B, make
 
 P1, P2 = "http://10.0.9.1:8000", "http://10.0.9.2:8000"
@@ -18,12 +18,12 @@ def run(sides: list[tuple[str, str, float]]) -> list:
     gw, telemetry = make(exporter=exporter)
     clock = gw.clock
     record = RequestRecord(api="chat", stream=True, t_arrival=clock.now)
-    record.extra["path"] = "/v1/chat/completions"
+    record.path = "/v1/chat/completions"
     telemetry.start(record, {})
     record.t_classified = record.t_routed = clock.now = 1000.001
     for i, (role, replica, t) in enumerate(sides):
         record.pool, record.replica, record.attempts = "interactive", replica, i + 1
-        record.extra["pd_role"] = role
+        record.pd = PDRecord(role=role)
         clock.now = record.t_sent = t
         telemetry.inject(record, {})
     record.status, record.t_headers, record.t_first_byte = 200, sides[-1][2] + 0.01, sides[-1][2] + 0.2

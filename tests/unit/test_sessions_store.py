@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.sessions import SessionIdentity, history_keys, identify, redacted, tool_result_ids, turn_kind
-from pools.sessions import SessionStore, decode_events, tool_key, usage_counts, wall_clock
+from policies.vllm_wire import usage_counts
+from pools.sessions import SessionStore, decode_events, tool_key, wall_clock
 
 
 class Clock:

@@ -67,7 +67,7 @@ def streamed_record(gw: StubGateway, telemetry: Telemetry, headers: Mapping[str,
     """A streamed chat request walked through the hooks with a controlled clock; returns it and the upstream headers."""
     clock = gw.clock
     record = RequestRecord(api="chat", stream=True, t_arrival=clock.now)
-    record.extra["path"] = "/v1/chat/completions"
+    record.path = "/v1/chat/completions"
     telemetry.start(record, headers)
     record.thinking_mode, record.prompt_tokens_est, record.max_tokens = "disabled", 900, 64
     record.first_pool, record.pool_reason = "interactive", "fits"
@@ -150,7 +150,7 @@ def test_retry_gives_a_failed_attempt_span_and_a_retry_event() -> None:
     gw, telemetry = make(exporter=exporter)
     clock = gw.clock
     record = RequestRecord(api="completions", stream=False, t_arrival=clock.now)
-    record.extra["path"] = "/v1/completions"
+    record.path = "/v1/completions"
     telemetry.start(record, {})
     record.t_classified = record.t_routed = clock.now = 1000.001
     sent_headers = []
@@ -187,7 +187,7 @@ def test_an_admission_wait_is_an_event_and_an_attribute() -> None:
     exporter = InMemorySpanExporter()
     gw, telemetry = make(exporter=exporter)
     record = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
-    record.extra["path"] = "/v1/chat/completions"
+    record.path = "/v1/chat/completions"
     telemetry.start(record, {})
     record.pool, record.replica, record.attempts, record.reason = "interactive", A, 1, "least_loaded"
     record.t_classified, record.t_routed, record.t_admitted = 1000.001, 1000.002, 1000.152  # 150 ms in the queue
@@ -445,9 +445,20 @@ def test_a_telemetry_bug_never_fails_the_request(caplog: pytest.LogCaptureFixtur
     record = RequestRecord(api="chat", stream=True, t_arrival=gw.clock.now)
     telemetry.start(record, {})
     record.pool, record.replica, record.t_sent, record.status = "interactive", A, 1000.1, 200
-    record.usage = {"prompt_tokens": "not a number"}  # a replica answering nonsense
+    record.t_admitted = "soon"  # type: ignore[assignment]  # a gateway bug: a stage time that is not a number
     telemetry.finish(record)  # must not raise
     assert "telemetry failed" in caplog.text
+
+
+def test_nonsense_usage_counts_as_no_tokens() -> None:
+    gw, telemetry = make()
+    record = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
+    telemetry.start(record, {})
+    record.pool, record.replica, record.t_sent, record.status = "interactive", A, 1000.1, 200
+    record.usage = {"prompt_tokens": "not a number", "completion_tokens": 3}  # a replica answering nonsense
+    telemetry.finish(record)
+    assert sample(telemetry, "m3gate_prompt_tokens_total", pool="interactive", **{"class": "interactive"}) == 0
+    assert sample(telemetry, "m3gate_output_tokens_total", pool="interactive", **{"class": "interactive"}) == 3
 
 
 def test_no_healthy_replica_is_counted_against_the_chosen_pool() -> None:

@@ -46,17 +46,15 @@ def reload(gw: StubGateway, telemetry: Telemetry, cfg: GatewayConfig) -> bool:
 
 
 def begin(gw: StubGateway, telemetry: Telemetry, pool: str = "interactive", replica: str = A,
-          headers: Mapping[str, str] | None = None) -> RequestRecord:
-    """A streamed chat request up to its upstream call."""
+          headers: Mapping[str, str] | None = None, upstream: dict[str, str] | None = None) -> RequestRecord:
+    """A streamed chat request up to its upstream call; `upstream` receives the headers its call would carry."""
     record = RequestRecord(api="chat", stream=True, t_arrival=gw.clock.now)
-    record.extra["path"] = "/v1/chat/completions"
+    record.path = "/v1/chat/completions"
     telemetry.start(record, headers or {})
     record.thinking_mode, record.first_pool, record.pool_reason = "disabled", pool, "fits"
     record.t_classified = record.t_routed = record.t_admitted = gw.clock.now + 0.001
     record.pool, record.replica, record.reason, record.attempts = pool, replica, "least_loaded", 1
-    upstream: dict[str, str] = {}
-    telemetry.inject(record, upstream)
-    record.extra["upstream"] = upstream
+    telemetry.inject(record, {} if upstream is None else upstream)
     record.t_sent = record.t_headers = gw.clock.now + 0.002
     return record
 
@@ -115,10 +113,11 @@ def test_a_reload_swaps_the_trace_pipeline_and_the_old_one_exports_its_requests(
     assert first.retiring and not first.closed  # it waits for its request
     assert second.provider.resource.attributes["service.name"] == "gw-b"
 
-    unsampled = begin(gw, telemetry)  # the new ratio applies to new requests
-    assert unsampled.extra["upstream"]["traceparent"].endswith("-00")
-    followed = begin(gw, telemetry, headers=CALLER)  # parent-based: a sampled caller is still followed
-    assert followed.extra["upstream"]["traceparent"].endswith("-01")
+    sent: dict[str, str] = {}
+    unsampled = begin(gw, telemetry, upstream=sent)  # the new ratio applies to new requests
+    assert sent["traceparent"].endswith("-00")
+    followed = begin(gw, telemetry, headers=CALLER, upstream=sent)  # parent-based: a sampled caller is followed
+    assert sent["traceparent"].endswith("-01")
 
     end(gw, telemetry, in_flight)  # its spans go out through the first pipeline, which then shuts down
     wait_for(lambda: first.closed and first.processor._thread.is_alive() is False)
@@ -136,8 +135,9 @@ def test_a_reload_swaps_the_trace_pipeline_and_the_old_one_exports_its_requests(
     assert not reload(gw, telemetry, config({"enabled": False}))  # tracing off: the pipeline shuts down at once
     assert telemetry.tracing is None
     wait_for(lambda: second.closed)
-    record = begin(gw, telemetry)
-    assert record.trace is None and "traceparent" not in record.extra["upstream"]
+    sent: dict[str, str] = {}
+    record = begin(gw, telemetry, upstream=sent)
+    assert record.trace is None and "traceparent" not in sent
     end(gw, telemetry, record)
     assert sample(telemetry, "m3gate_requests_total", api="chat", pool="interactive", **{"class": "interactive"},
                   thinking_mode="disabled", status="200") == 4
@@ -211,7 +211,8 @@ def test_series_of_removed_pools_and_replicas_leave_the_exposition() -> None:
     telemetry = Telemetry(gw, env={})
     for pool, replica in (("interactive", A), ("interactive", B), ("long", LONG)):
         record = begin(gw, telemetry, pool, replica)
-        record.extra["itl"].observe(0.02)
+        assert record.itl is not None
+        record.itl.observe(0.02)
         end(gw, telemetry, record)
     rejected = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
     telemetry.start(rejected, {})
@@ -245,7 +246,8 @@ def test_inter_token_latency_is_fed_per_chunk_with_the_tpot_labels() -> None:
     gw = StubGateway(config())
     telemetry = Telemetry(gw, env={})
     record = begin(gw, telemetry)
-    itl = record.extra["itl"]
+    itl = record.itl
+    assert itl is not None
     for gap in (0.004, 0.012, 0.012, 0.3):
         itl.observe(gap)
     end(gw, telemetry, record)
@@ -256,10 +258,10 @@ def test_inter_token_latency_is_fed_per_chunk_with_the_tpot_labels() -> None:
     assert sample(telemetry, "m3gate_inter_token_latency_seconds_bucket", **labels, le="0.025") == 3
     assert sample(telemetry, "m3gate_inter_token_latency_seconds_bucket", **labels, le="0.3") == 4
     assert sample(telemetry, "m3gate_time_per_output_token_seconds_count", **labels) == 1
-    assert begin(gw, telemetry).extra["itl"].counts is itl.counts  # one series, shared by its streams
+    assert begin(gw, telemetry).itl.counts is itl.counts  # one series, shared by its streams
     plain = RequestRecord(api="chat", stream=False, t_arrival=gw.clock.now)
     telemetry.inject(plain, {})
-    assert "itl" not in plain.extra  # only streams have inter-token gaps
+    assert plain.itl is None  # only streams have inter-token gaps
 
 
 def test_histogram_table_matches_prometheus_bucket_semantics() -> None:

@@ -1,0 +1,116 @@
+"""vLLM's request and response shapes that the gateway writes or reads itself, in one place.
+
+The gateway relays bodies byte for byte; it only builds or reads a few of vLLM's shapes on its own: the usage of an
+answer (token counts, in each API's shape), the `/tokenize` body that counts a generate request's prompt exactly, and
+the prefill request of disaggregated serving (NIXL's KV-transfer protocol, as vLLM's toy proxy
+`tests/v1/kv_connector/nixl_integration/toy_proxy_server.py` speaks it). Each copy of one of these shapes elsewhere
+would drift from vLLM on its own (reference: /work/shared/reference/vllm-contract.md, sections 1, 2 and 10).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+import orjson
+
+__all__ = [
+    "PREFILL_KV_PARAMS",
+    "decode_body",
+    "prefill_body",
+    "tokenize_body",
+    "usage_counts",
+    "usage_of",
+]
+
+# What a prefill request asks the KV connector for: keep the blocks for a remote decode (the toy proxy's exact dict).
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# The chat fields vLLM's /tokenize renders the prompt with, as its chat endpoint does (ChatCompletionRequest's
+# template fields that the tokenize request also takes).
+_TOKENIZE_CHAT_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                         "add_special_tokens", "chat_template", "documents")
+
+
+def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """isinstance(value, Mapping) without the ABC check for the usual dict and None (~1 µs each otherwise)."""
+    return type(value) is dict or (value is not None and isinstance(value, Mapping))
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value > 0 else 0
+
+
+def usage_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of an answer's usage in any of the four APIs' shapes: Chat and
+    Completions (`prompt_tokens`, `prompt_tokens_details.cached_tokens`), Responses (`input_tokens`,
+    `input_tokens_details.cached_tokens`), Anthropic Messages. Anthropic's `input_tokens` excludes cache reads and
+    writes, so the prompt is their sum there, and the cache reads are the cached part."""
+    if not _is_mapping(usage):
+        return 0, 0, 0
+    prompt = usage.get("prompt_tokens")
+    if prompt is not None:  # Chat and Completions, the common case
+        details = usage.get("prompt_tokens_details")
+        cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
+        return _count(prompt), _count(usage.get("completion_tokens")), cached
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        read = _count(usage.get("cache_read_input_tokens"))
+        prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
+        return prompt, _count(usage.get("output_tokens")), read
+    details = usage.get("input_tokens_details")
+    cached = _count(details.get("cached_tokens")) if _is_mapping(details) else 0
+    return _count(usage.get("input_tokens")), _count(usage.get("output_tokens")), cached
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a complete JSON answer, if it has one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def tokenize_body(body: Mapping[str, Any], api: str, model: str) -> dict[str, Any] | None:
+    """The /tokenize body that renders exactly the prompt the generate request `body` will (chat: its messages with
+    the template fields it sets; completions: its prompt), or None for the APIs /tokenize has no form for."""
+    if api == "chat":
+        out: dict[str, Any] = {"model": model, "messages": body.get("messages")}
+        for key in _TOKENIZE_CHAT_FIELDS:
+            if key in body:
+                out[key] = body[key]
+        return out
+    if api == "completions":
+        out = {"model": model, "prompt": body.get("prompt")}
+        if "add_special_tokens" in body:
+            out["add_special_tokens"] = body["add_special_tokens"]
+        return out
+    return None
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill request: the client's body computing one token, not streamed, asking the replica to keep the KV
+    (`kv_transfer_params.do_remote_decode`). As the toy proxy: `max_tokens` (and `max_completion_tokens` when sent)
+    1 and no `stream_options`; beyond it, no `min_tokens`, which vLLM refuses above `max_tokens` (SamplingParams:
+    "min_tokens must be less than or equal to max_tokens") and which the decode request keeps."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return out
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode request: the client's own body with the prefill answer's `kv_transfer_params`, as they came (the
+    decode replica pulls the prompt's blocks with them)."""
+    return {**body, "kv_transfer_params": kv_transfer_params}
