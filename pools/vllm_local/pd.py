@@ -15,7 +15,8 @@ Roles are `kv_producer` / `kv_consumer` (`kv_both` is deprecated for NIXL in 0.3
 process's main thread to the last core of each NUMA node (`base_worker.py`, "reserve ... cores for kv transfer"):
 on two cores both servers' workers would run on core 1, so `start_pd_pair` spreads them again (`spread_affinity`).
 
-The proxy protocol (vLLM's toy_proxy_server): `prefill_body()` then `decode_body()`; see tests/e2e/test_vllm_pd_real.py.
+The proxy protocol (vLLM's toy_proxy_server): `policies.vllm_wire.prefill_body()` then `decode_body()`; see
+tests/e2e/test_vllm_pd_real.py.
 The calls here block, like launcher.py's.
 """
 
@@ -52,15 +53,6 @@ from pools.vllm_local.tiny_model import ensure_tiny_model
 CONNECTOR = "NixlConnector"  # 0.32: an alias of NixlPullConnector (the decode side READs the prefill side's blocks)
 PD_VENV_NAME = "vllm-pd-venv"
 SIDE_CHANNEL_PORT = "nixl_side_channel_port"  # key in VllmServer.ports
-# What the prefill request adds: vLLM's toy proxy sends exactly this.
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def _has_nixl(python: Path) -> bool:
@@ -170,20 +162,6 @@ def running_pd_pair(max_model_len: int = 2048, **kwargs: Any) -> Iterator[PdPair
         yield pair
     finally:
         pair.stop()
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body as the prefill server gets it (toy_proxy_server.send_request_to_prefill)."""
-    out = {k: v for k, v in body.items() if k != "stream_options"}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    return out
-
-
-def decode_body(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict[str, Any]:
-    """The client's body plus the prefill answer's `kv_transfer_params` (the decode server then pulls the blocks)."""
-    return {**body, "kv_transfer_params": prefill_answer["kv_transfer_params"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pools.vllm_local.pd import PdPair, decode_body, prefill_body, start_pd_pair
+from policies.vllm_wire import decode_body, prefill_body
+from pools.vllm_local.pd import PdPair, start_pd_pair
 from tests.vllm_fixtures import SKIP_ENV, vllm_skipped
 
 # the first test's setup boots the pair: ~2-6 minutes on a 2-core machine
@@ -56,7 +57,7 @@ def _handshake(pair: PdPair, attempts: int = 5) -> None:
         for _ in range(attempts):
             prefilled = post(c, pair.prefill.url, prefill_body(body))
             try:
-                status = c.post(pair.decode.url + "/v1/completions", json=decode_body(body, prefilled)).status_code
+                status = c.post(pair.decode.url + "/v1/completions", json=decode_body(body, prefilled["kv_transfer_params"])).status_code
             except httpx.TimeoutException:
                 status = "timeout"
             if status == 200:
@@ -133,7 +134,7 @@ def test_decode_pulls_the_prompt_from_the_prefill_server(pd_pair: PdPair, client
     assert prompt_tokens == 600
 
     before = metrics(client, pd_pair.decode.url)
-    decoded = post(client, pd_pair.decode.url, decode_body(body, prefilled))
+    decoded = post(client, pd_pair.decode.url, decode_body(body, prefilled["kv_transfer_params"]))
     after = metrics(client, pd_pair.decode.url)
 
     assert decoded["kv_transfer_params"] is None
@@ -162,7 +163,7 @@ def test_decode_from_another_requests_blocks_answers_otherwise(pd_pair: PdPair, 
              "logprobs": 3}
     body = {**donor, "prompt": token_prompt(3)}
     donor_params = prefill(client, pd_pair, donor)["kv_transfer_params"]
-    decoded = post(client, pd_pair.decode.url, decode_body(body, {"kv_transfer_params": donor_params}))
+    decoded = post(client, pd_pair.decode.url, decode_body(body, donor_params))
     reference = post(client, pd_pair.prefill.url, body)  # computed locally there: it never saw this prompt
     assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert abs(logprobs(decoded)[0] - logprobs(reference)[0]) > 1e-3
@@ -180,7 +181,7 @@ def test_streamed_chat_decode(pd_pair: PdPair, client: httpx.Client) -> None:
     before = metrics(client, pd_pair.decode.url)
     events = []
     with client.stream("POST", pd_pair.decode.url + "/v1/chat/completions",
-                       json=decode_body(body, prefilled)) as stream:
+                       json=decode_body(body, prefilled["kv_transfer_params"])) as stream:
         assert stream.status_code == 200
         for line in stream.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -239,7 +240,7 @@ def test_decode_for_a_restarted_prefill_server_fails(pd_pair: PdPair, client: ht
     params = prefill(client, pd_pair, body)["kv_transfer_params"]
     stale = {**params, "remote_engine_id": "00000000-0000-4000-8000-000000000000"}
     before = metrics(client, pd_pair.decode.url)
-    resp = client.post(pd_pair.decode.url + "/v1/completions", json=decode_body(body, {"kv_transfer_params": stale}))
+    resp = client.post(pd_pair.decode.url + "/v1/completions", json=decode_body(body, stale))
     after = metrics(client, pd_pair.decode.url)
     assert resp.status_code == 500
     assert resp.json() == {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
