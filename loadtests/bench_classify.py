@@ -3,7 +3,7 @@
 `python -m loadtests.bench_classify` builds agent-like chat requests (a system prompt, tool schemas, many turns with
 tool calls and results, a few huge pasted files) of about 1K, 32K, 128K and 1M tokens from varied real text — Python
 source, English docstrings, JSON records, Chinese and Japanese prose — then times `classify` + `choose_pool` with
-the current token counter and, interleaved on the same chats, the previous one (loadtests/classify_reference.py), and
+the current token counter and, interleaved on the same chats, the reference one without bounded sampling (loadtests/classify_reference.py), and
 compares with what a full exact count of the same text would cost. The target is ≤ 3 ms p50 cold at every size up to
 1M tokens, with the pool chosen from the estimate the one chosen from the exact count (or a /tokenize asked first).
 `--long` measures the gateway's CPU per cold long chat end to end instead (loadtests/bench_classify_http.py).
@@ -60,7 +60,7 @@ def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counte
 
 def run(sizes: list[int], requests: int, repeats: int, seed: int,
         cfg: ClassificationConfig | None = None) -> list[dict[str, Any]]:
-    """One row per size and counter ("new": policies.tokens; "reference": the previous one, on the same chats,
+    """One row per size and counter ("new": policies.tokens; "reference": loadtests/classify_reference.py, on the same chats,
     interleaved): cold and warm-cache timings, the full exact count's cost, the estimate's error and stated bound, and
     whether the pool chosen from the estimate is the one chosen from the exact count (or a /tokenize is asked)."""
     cfg = cfg or ClassificationConfig()
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run([int(s) for s in args.sizes.split(",")], args.requests, args.repeats, args.seed, cfg)
     print("classify + choose_pool on agent-like chats, CPU time of the thread (cold: empty count cache; warm: the")
     print("same history again);")
-    print("new = policies.tokens, reference = the previous counter (loadtests/classify_reference.py), interleaved;")
+    print("new = policies.tokens, reference = the counter without bounded sampling (loadtests/classify_reference.py), interleaved;")
     print("exact = the same classification with every text fully tokenized; error = estimate vs exact, worst request;")
     print("bound = the largest error bound stated (pool choice combines it with its band); pool = chosen from the exact")
     print("count; same = chose it too or asked /tokenize; /tok = asked a replica's /tokenize (the exact count's in")

@@ -3,7 +3,7 @@
     python -m loadtests.bench_classify --long [--sizes 32000,900000] [--requests 6] [--rounds 2]
 
 Three pools (32K / 128K / 1M context) of one `--instant` simulator each, and two gateway processes in front of them:
-the current one ("new") and one whose token counter is the previous one ("reference",
+the current one ("new") and one whose token counter is the reference one ("reference",
 loadtests/classify_reference.py), started the same way. Each request is an agent-like chat (loadtests.bench_classify's
 `agent_chat`: a system prompt, tools, many turns, huge pasted files) that neither gateway has seen (cold count caches
 and prefix index), streamed, with max_tokens 16 so that the answer is a few SSE events; the same chats go to both
@@ -61,12 +61,12 @@ def gateway_config(urls: dict[str, str]) -> dict[str, Any]:
 
 
 def serve_reference(config_path: str, port: int) -> int:
-    """The gateway with the previous token counter (`--serve-reference CONFIG PORT`)."""
+    """The gateway with the reference token counter (`--serve-reference CONFIG PORT`)."""
     import gateway.runtime
     from gateway.server import serve
 
-    # where the Gateway builds its counter (was gateway.app before the layering refactor, when patching it there
-    # silently left the reference gateway on the new counter)
+    # patched where the Gateway builds its counter: patching any other module would silently leave the reference
+    # gateway on the current counter
     if not hasattr(gateway.runtime, "TokenCounter"):  # setting a module attribute never fails: check the target
         raise RuntimeError("gateway.runtime no longer builds the TokenCounter: patch where the Gateway does")
     gateway.runtime.TokenCounter = ReferenceTokenCounter  # type: ignore[misc,assignment]

@@ -1,4 +1,4 @@
-"""The token counter policies/tokens.py had before bounded sampling (commit 544cd7e), kept for the benchmarks only:
+"""A reference token counter without bounded sampling, kept for the benchmarks only:
 `python -m loadtests.bench_classify` times it beside the current one on the same chats, in the same run.
 
 Exact counts below `classification.full_count_below_chars` (200K characters by default); beyond, 192 windows of
@@ -37,7 +37,7 @@ SHORT_CACHE_ENTRIES = 16_384
 
 
 class ReferenceTokenCounter:
-    """The previous TokenCounter (commit 544cd7e): exact up to `full_count_below_chars` (200K characters by
+    """The reference counter: exact up to `full_count_below_chars` (200K characters by
     default), 192 windows of 256 characters beyond."""
 
     def __init__(

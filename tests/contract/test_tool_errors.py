@@ -1,9 +1,9 @@
 """A chat request whose tool `function` is not an object: vLLM's pydantic model refuses it with a 400 "Bad Request"
 naming each bad tool, before anything is generated, whatever `tool_choice` says and before it looks at the model.
-The simulator used to crash on it (a plain 500) whenever its answer plan called a tool, and answered 200 with
-`tool_choice: "none"`. A `tool_choice` naming a function is checked earlier still, by vLLM's own loop over the tools,
+The simulator must answer the same 400 whether or not its answer plan calls a tool, and with `tool_choice: "none"`
+too. A `tool_choice` naming a function is checked earlier still, by vLLM's own loop over the tools,
 which trips over a tool whose `function` is a string: a raw TypeError, which vLLM answers with a 400 carrying its
-text (the simulator used to crash there too)."""
+text; the simulator answers the same."""
 
 from __future__ import annotations
 

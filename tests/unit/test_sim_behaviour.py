@@ -84,7 +84,7 @@ def test_native_tool_syntax_uses_the_minimax_prefix() -> None:
 
 
 def test_a_tool_function_that_is_not_an_object_is_a_400_whatever_the_plan() -> None:
-    """vLLM refuses it in its request model; the simulator used to crash (500) only when the plan called a tool."""
+    """vLLM refuses it in its request model, before any plan: the simulator too, whether or not its plan calls a tool."""
     bad = [{"type": "function", "function": "x"}, *TOOLS, {"type": "function", "function": None}]
     for fingerprint in range(10):
         for choice in (None, "auto", "required"):
