@@ -24,7 +24,6 @@ everything else runs on the timer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections import deque
@@ -34,6 +33,7 @@ from gateway.record import RequestRecord
 from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
 from policies.latency_model import DecodeCost
 from policies.vllm_wire import usage_counts
+from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.capacity")
 
@@ -101,9 +101,7 @@ class CapacitySignal:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

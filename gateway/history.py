@@ -24,6 +24,7 @@ from typing import Any
 
 from gateway.runtime import Gateway
 from policies.contract import histogram_quantile
+from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.history")
 
@@ -158,11 +159,7 @@ class History:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

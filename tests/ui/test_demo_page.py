@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from loadtests.screenshot_demo import DemoProcess, chromium, running_demo
+from tests.support.tools import tools_required
 
 try:
     import selenium  # noqa: F401
@@ -23,7 +24,7 @@ else:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver") and SELENIUM),
+    pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver") and SELENIUM) and not tools_required(),
                        reason="chromium, chromedriver or selenium missing: run `make chromium` and `make venv`"),
 ]
 
