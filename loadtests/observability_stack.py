@@ -310,7 +310,7 @@ def _words(rnd: random.Random, n_chars: int) -> str:
 
 _RND = random.Random(7)
 SYSTEM_PROMPTS = [f"You are agent {i}. " + _words(_RND, 2400) for i in range(3)]  # ~600 tokens: cacheable blocks
-LONG_TEXT = _words(_RND, 14000)  # ~3500 simulator tokens: two in flight fill 64 KV blocks past 90%
+LONG_TEXT = _words(_RND, 15500)  # ~3900 simulator tokens (31 blocks of 128): two in flight fill 64 KV blocks past 95%
 MODES = ("enabled", "adaptive", "disabled")
 
 
