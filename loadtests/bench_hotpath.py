@@ -29,6 +29,7 @@ from gateway.record import RequestRecord
 from policies.admission import pool_saturated
 from policies.classify import classify
 from policies.pool_choice import choose_pool
+from policies.prefix import prefix_blocks
 from policies.traffic import check_input_limits, request_priority, resolve_class, restrict_to_key
 from policies.config import GatewayConfig, PoolConfig
 
@@ -68,6 +69,12 @@ def _request() -> Request:
     return Request(scope, receive)
 
 
+def _words(n_chars: int) -> str:
+    """`n_chars` of varied text (~4 characters per token)."""
+    words = (f"w{i % 9973}" for i in itertools.count())
+    return " ".join(itertools.islice(words, n_chars // 5))[:n_chars]
+
+
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
     """Drive a coroutine that completes without suspending (no event loop needed)."""
     try:
@@ -97,6 +104,8 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
     unseen_bodies = itertools.cycle([{**body, "messages": [{"role": "user", "content": next(unseen)}]}
                                      for _ in range(UNSEEN)])
     traffic = gw.traffic
+    long_chat = {**body, "messages": [{"role": "user", "content": _words(28_000)}]}
+    huge_prompt = {**body, "messages": [{"role": "user", "content": _words(4_000_000)}]}
 
     request = _request()
     traffic.authenticate(request)  # as on the request path: the headers are parsed once (telemetry reads them first)
@@ -143,6 +152,9 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         "sessions begin+end, x-session-id": lambda: session_turn(named, body),
         "sessions begin+end, inferred (history)": lambda: session_turn(unnamed, history),
         "sessions begin+end, one-shot (names and continues nothing)": lambda: session_turn(unnamed, body),
+        # prefix hashing beyond the short request: an 8K-token chat (~33 KB) and the extended pool's 1M-token prompt
+        "prefix_blocks, 8K-token chat": lambda: prefix_blocks(long_chat, "chat", cfg.model),
+        "prefix_blocks, 1M-token prompt": lambda: prefix_blocks(huge_prompt, "chat", cfg.model),
     }
 
 
