@@ -4,7 +4,6 @@ it is, and the browser console stays clean. The demo runs as the user runs it, a
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,20 +12,8 @@ import httpx
 import pytest
 
 from loadtests.screenshot_demo import DemoProcess, chromium, running_demo
-from tests.support.tools import tools_required
 
-try:
-    import selenium  # noqa: F401
-except ImportError:  # pragma: no cover - the test extras install it
-    SELENIUM = False
-else:
-    SELENIUM = True
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver") and SELENIUM) and not tools_required(),
-                       reason="chromium, chromedriver or selenium missing: run `make chromium` and `make venv`"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.tools("chromium", "chromedriver")]
 
 CLASSES = ("interactive", "repository", "extended")
 POOLS = ("interactive", "repository", "extended")

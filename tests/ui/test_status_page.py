@@ -23,22 +23,10 @@ from gateway.launcher import GatewayProcess, start_gateway
 from policies.config import GatewayConfig
 from policies.contract import build_contract, check, observed_from_samples
 from pools.sim.launcher import SimProcess, running_sims
-from tests.support.tools import tools_required
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-try:
-    import selenium  # noqa: F401
-except ImportError:  # pragma: no cover - the test extras install it
-    SELENIUM = False
-else:
-    SELENIUM = True
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(180),
-    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER and SELENIUM) and not tools_required(),
-                       reason="chromium, chromedriver or selenium missing: run `make chromium` and `make venv`"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.tools("chromium", "chromedriver")]
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "loadtests" / "results" / "ui"
