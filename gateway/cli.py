@@ -136,6 +136,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.config, host=args.host, port=args.port)
 
 
+def _cmd_epp(args: argparse.Namespace) -> int:
+    from gateway.epp_server import run_epp
+
+    return run_epp(args.config, host=args.host, port=args.port, http_port=args.http_port,
+                   response_processing=args.response_processing)
+
+
+def _cmd_envoy_config(args: argparse.Namespace) -> int:
+    from gateway.envoy_config import envoy_bootstrap, envoy_yaml
+    from policies.config import ConfigError, load_config
+
+    try:
+        text = envoy_yaml(envoy_bootstrap(load_config(args.path), args.epp, args.listen, fail_open=args.fail_open,
+                                          admin=args.admin, response_processing=args.response_processing))
+    except (ConfigError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def _add_epp(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("epp", help="run as a Gateway API Inference Extension endpoint picker (Envoy ext_proc)",
+                       description="The gateway's decisions for an Envoy in front of the pools: ext_proc and gRPC "
+                       "health on --port, the gateway's HTTP app (/metrics, /ui, /admin, /health) on --http-port.")
+    p.add_argument("--config", required=True, help="pool config YAML")
+    p.add_argument("--host", default="0.0.0.0", help="listen address of both ports (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc + gRPC health port (default 9002)")
+    p.add_argument("--http-port", type=int, default=9003, help="HTTP port: metrics, status page, admin (9003)")
+    p.add_argument("--response-processing", choices=["full", "none"], default="full",
+                   help="full: Envoy streams responses through the picker (usage, token times, sessions, metrics); "
+                   "none: requests only, cheaper (Envoy's config must match: envoy-config --response-processing)")
+    p.set_defaults(func=_cmd_epp)
+
+    p = sub.add_parser("envoy-config", help="print an Envoy bootstrap that uses `m3gate epp` as its endpoint picker")
+    p.add_argument("path", help="pool config YAML (the replicas Envoy may be sent to)")
+    p.add_argument("--epp", required=True, metavar="HOST:PORT", help="where `m3gate epp` listens (ext_proc)")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="Envoy's listener for clients")
+    p.add_argument("--fail-open", action="store_true",
+                   help="the picker unreachable: send requests on anyway (default: fail closed, 500)")
+    p.add_argument("--admin", metavar="HOST:PORT", default=None, help="Envoy's admin interface (default: none)")
+    p.add_argument("--response-processing", choices=["full", "none"], default="full",
+                   help="must match `m3gate epp --response-processing`")
+    p.add_argument("-o", "--output", metavar="FILE", default=None, help="write the YAML here instead of stdout")
+    p.set_defaults(func=_cmd_envoy_config)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
@@ -151,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="listen address (default: config server.host, env M3GATE_HOST)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: config server.port, env M3GATE_PORT)")
     p.set_defaults(func=_cmd_serve)
+
+    _add_epp(sub)
 
     p = sub.add_parser("demo", help="start three simulated pools and the gateway; Ctrl-C stops all")
     p.add_argument("--port", type=int, default=8080)

@@ -230,6 +230,25 @@ class Coordinator:
             missing[0] = missing[0]._replace(reason="slo_expected_miss")
         return (targets + missing)[:MAX_ATTEMPTS]
 
+    async def pick(
+        self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes
+    ) -> tuple[list[Target], Mapping[str, RoutingRequest]]:
+        """The targets `forward` would try, for a front door that forwards elsewhere (the endpoint picker,
+        gateway/epp.py), and per pool the request as precise routing saw it. Raises the same 503 (no replica) and
+        429 (shed) that `forward` does."""
+        gw = self.gw
+        routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
+        targets = self.choose_replicas(choice, routing, routings)
+        if not targets:
+            raise UpstreamFailure(
+                503,
+                f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
+                "no_healthy_replica",
+            )
+        if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
+            raise _shed(record, targets[0])
+        return targets, routings
+
     # 5. forward --------------------------------------------------------------------------------------------
     async def forward(
         self,

