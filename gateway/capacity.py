@@ -39,7 +39,7 @@ from typing import Any
 
 from gateway.record import RequestRecord
 from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
-from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge
+from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
 from policies.vllm_wire import usage_counts
 from pools.tasks import cancel_and_wait
@@ -188,7 +188,7 @@ class CapacitySignal:
         for key, stable in self._stable.items():
             if stable.desired is not None:
                 share.stable[key] = StableShare(stable.desired, now - stable.changed_at,
-                                                tuple((now - t, n) for t, n in stable.history))
+                                                tuple((now - t, n) for t, n in peaks(stable.history)))
         self.local = share
         return share
 

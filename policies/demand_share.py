@@ -66,6 +66,16 @@ class DemandShare:
     gateways: int = 1  # how many gateways' shares this is the sum of
 
 
+def peaks(history: Sequence[tuple[float, int]]) -> tuple[tuple[float, int], ...]:
+    """The points of a (time, replicas) history, oldest first, that exceed every later one: all a `Stabilizer` reads
+    of it (the largest count within a window ending now, at any later now), in a point or two under steady load."""
+    out: list[tuple[float, int]] = []
+    for point in reversed(history):
+        if not out or point[1] > out[-1][1]:
+            out.append(point)
+    return tuple(reversed(out))
+
+
 def encode(share: DemandShare) -> bytes:
     """Compact JSON (lists, not objects): ~60 bytes a (pool, class), ~10 a point of signal history."""
     classes = [[pool, cls, share.rates.get((pool, cls), 0.0), share.queued.get((pool, cls), 0.0),

@@ -16,6 +16,7 @@ from policies.demand_share import (
     encode,
     merge,
     merge_costs,
+    peaks,
 )
 
 
@@ -90,3 +91,15 @@ def test_the_largest_signal_memory_is_kept_for_seeding() -> None:
     recent = StableShare(5, 2.0)
     merged = merge([_share(1, 1, 1, stable=low), _share(1, 1, 1, stable=high), _share(1, 1, 1, stable=recent)])
     assert merged.stable[("chat", "both")] == recent  # the largest count; of equals, the latest change
+
+
+def test_the_signal_memory_travels_as_its_peaks_only() -> None:
+    history = [(0.0, 3), (5.0, 6), (10.0, 4), (15.0, 6), (20.0, 5), (25.0, 2), (30.0, 2)]
+    kept = peaks(history)
+    assert kept == ((15.0, 6), (20.0, 5), (30.0, 2))
+    for now in range(30, 60):  # the largest count within any window ending at any later time: the same
+        for window in (5, 10, 20, 40):
+            def peak(points):  # type: ignore[no-untyped-def]
+                return max((n for t, n in points if t >= now - window), default=None)
+            assert peak(kept) == peak(history), (now, window)
+    assert peaks([(float(t), 4) for t in range(60)]) == ((59.0, 4),)  # steady: one point
