@@ -13,9 +13,17 @@ Engine costs: the pool's prefill step cost learnt for the TTFT predictions (`Gat
 decode step cost learnt here from each stream's inter-token gaps (`DecodeCost`, against its replica's batch: vLLM's
 num_requests_running at the last scrape, else the gateway's in-flight count), and the replicas' KV blocks.
 
-Each gateway sizes for the requests it sees itself; behind a load balancer the pool's count is the sum over the
-gateways (deploy/k8s/autoscaling-*). A fresh gateway publishes nothing for its first `window_s` (it has seen too
-little to ask for fewer replicas than run); from then on the `Stabilizer` rules apply.
+Several gateways (`state: redis`): each tick, the gateway's own demand (`DemandShare`: the rates, token sums,
+queues, prefill backlogs, learnt costs and signal memory above) is published through the shared state in one
+pipeline that also reads the other live gateways' (pools/shared_state.py's `exchange_capacity`), and the pools are
+sized from their merge (policies/demand_share.py): the demand one gateway would measure if it saw all the traffic, so
+every gateway publishes the same figure (within a tick) and an autoscaler reads any of them. Without Redis (memory
+state, or Redis unreachable) the gateway sizes for the requests it sees itself; GET /admin/capacity says which
+(`demand_source`: "shared" or "local", and `demand_gateways`).
+
+A fresh gateway publishes nothing for its first `window_s` (it has seen too little to ask for fewer replicas than
+run) unless running gateways share their signal's memory, which it then starts from; from then on the `Stabilizer`
+rules apply.
 
 `observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
 everything else runs on the timer.
@@ -31,6 +39,7 @@ from typing import Any
 
 from gateway.record import RequestRecord
 from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
+from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
 from policies.vllm_wire import usage_counts
 from pools.tasks import cancel_and_wait
@@ -57,7 +66,10 @@ class CapacitySignal:
         self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
         self._stable: dict[tuple[str, str], Stabilizer] = {}
         self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, role) → GET /admin/capacity's entry
+        self.local: DemandShare | None = None  # this gateway's own share at the last tick
+        self.source = ("local", 1)  # where the last tick's demand came from, and how many gateways it sums
         self._task: asyncio.Task[None] | None = None
+        self._malformed_logged = False
 
     # the per-request hook ----------------------------------------------------------------------------------------
     def observe(self, record: RequestRecord) -> None:
@@ -105,14 +117,41 @@ class CapacitySignal:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._gw.config.capacity.interval_s)
+            interval = self._gw.config.capacity.interval_s
+            await asyncio.sleep(interval)
             try:
-                self.tick(self._gw.clock())
+                now = self._gw.clock()
+                local = self.measure(now)
+                # a few intervals: a gateway late by a tick or two (a loaded event loop) still counts
+                shares = await self._gw.shared.exchange_capacity(encode(local), max(3.0 * interval, 1.0))
+                self.size_pools(now, local, self._peers(shares))
             except Exception:  # noqa: BLE001 - the signal must never take the gateway down
                 log.exception("capacity: recomputing the signal failed")
 
-    def tick(self, now: float) -> None:
-        """Close this interval, measure the demand over the window, size every pool role and update its signal."""
+    def _peers(self, shares: list[tuple[str, bytes]] | None) -> list[tuple[str, DemandShare]] | None:
+        """The other gateways' shares, decoded (a malformed one is skipped and logged once); None: local only."""
+        if shares is None:
+            return None
+        own = getattr(self._gw.shared, "gateway_id", None)
+        out = []
+        for gateway_id, blob in shares:
+            if gateway_id == own:
+                continue
+            try:
+                out.append((gateway_id, decode(blob)))
+            except ValueError as exc:
+                if not self._malformed_logged:
+                    self._malformed_logged = True
+                    log.warning("capacity: ignoring gateway %s's demand share: %s", gateway_id, exc)
+        return out
+
+    def tick(self, now: float, peers: list[tuple[str, DemandShare]] | None = None) -> None:
+        """Close this interval, measure the demand over the window, size every pool role and update its signal
+        (`peers`: the other gateways' shares, as (gateway id, share); None: this gateway's demand only)."""
+        self.size_pools(now, self.measure(now), peers)
+
+    def measure(self, now: float) -> DemandShare:
+        """Close this interval and return this gateway's demand over the window: its share."""
         gw = self._gw
         cfg = gw.config.capacity
         traffic = gw.traffic.view().get("pools", {})
@@ -123,15 +162,50 @@ class CapacitySignal:
             end, _, held = self._closed.popleft()
             self._start = (end, held)
         span = max(now - self._start[0], 1e-3)
-        finished: dict[tuple[str, str], list[float]] = {}
+        share = DemandShare()
         for _, sums, _ in self._closed:
             for key, values in sums.items():
-                total = finished.setdefault(key, [0.0] * 6)
+                total = share.sums.setdefault(key, [0.0] * 6)
                 for i, v in enumerate(values):
                     total[i] += v
         held_before = self._start[1]
+        for key in {*share.sums, *in_gateway, *held_before}:
+            finished = share.sums.get(key, [0.0])[_FINISHED]
+            share.rates[key] = max(0.0, finished + in_gateway.get(key, 0.0) - held_before.get(key, 0.0)) / span
+        for name, view in traffic.items():
+            for cls, counts in view.get("classes", {}).items():
+                share.queued[(name, cls)] = float(counts.get("queued", 0))
+        for name, pool in gw.pools.items():
+            for role in ("prefill", "decode") if pool.disaggregated else ("both",):
+                replicas = pool.of_role(role) if pool.disaggregated else list(pool.replicas.values())
+                share.backlog[(name, role)] = float(sum(r.prefill_tokens for r in replicas))
+            cost = self._costs(name, pool, "decode" if pool.disaggregated else "both")  # KV: the decoding side's
+            model, decode_cost = gw.latency.get(name), self.decode_costs.get(name)
+            share.costs[name] = CostShare(
+                (cost.prefill_step_s, cost.prefill_s_per_1k), float(model.cost.samples) if model is not None else 0.0,
+                (cost.decode_step_s, cost.decode_s_per_seq, cost.decode_s_per_seq_1k),
+                float(decode_cost.samples) if decode_cost is not None else 0.0, cost.kv_tokens)
+        for key, stable in self._stable.items():
+            if stable.desired is not None:
+                share.stable[key] = StableShare(stable.desired, now - stable.changed_at,
+                                                tuple((now - t, n) for t, n in peaks(stable.history)))
+        self.local = share
+        return share
+
+    def size_pools(self, now: float, local: DemandShare, peers: list[tuple[str, DemandShare]] | None) -> None:
+        """Size every pool role from `local` merged with `peers` (in gateway-id order, so that every gateway adds
+        the same numbers in the same order) and update its signal."""
+        gw = self._gw
+        cfg = gw.config.capacity
+        if peers is None:
+            merged = local
+            self.source = ("local", 1)
+        else:
+            own = str(getattr(gw.shared, "gateway_id", ""))
+            merged = merge([s for _, s in sorted([*peers, (own, local)], key=lambda p: p[0])])
+            self.source = ("shared", merged.gateways)
         # the first window measures: a fresh gateway (a restart, one more gateway) has seen too little to ask for
-        # fewer replicas than run, so it publishes nothing until then
+        # fewer replicas than run, so it publishes nothing until then, unless running gateways share their memory
         measuring = now - self._created < cfg.window_s
         live = set(gw.pools)
         for key in [k for k in self._stable if k[0] not in live]:
@@ -140,8 +214,7 @@ class CapacitySignal:
         for name in [n for n in self._levels if n not in live]:
             del self._levels[name]
         for name, pool in list(gw.pools.items()):
-            queued = traffic.get(name, {}).get("classes", {})
-            demand = self._demand(name, finished, in_gateway, held_before, span, queued)
+            demand = self._demand(name, merged)
             rate = sum(d.rate for d in demand)
             levels = self._levels.setdefault(name, deque())
             levels.append((now, rate))
@@ -152,13 +225,14 @@ class CapacitySignal:
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
             bounds = pool.config.capacity
             for role in roles:
-                costs = self._costs(name, pool, role)
+                costs = self._merged_costs(name, pool, role, merged)
                 current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
-                backlog = float(sum(r.prefill_tokens for r in (pool.of_role(role) if pool.disaggregated
-                                                                 else pool.replicas.values())))
+                backlog = merged.backlog.get((name, role), 0.0)
                 measured = size(role, demand, costs, prefill_backlog=backlog)
                 needed = size(role, led, costs, prefill_backlog=backlog) if led is not demand else measured
                 stable = self._stable.get((name, role))
+                if stable is None and (name, role) in merged.stable:
+                    stable = self._stable[(name, role)] = _seeded(now, merged.stable[(name, role)], cfg)
                 if stable is None and measuring:
                     self.entries[(name, role)] = _entry(
                         name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
@@ -174,15 +248,12 @@ class CapacitySignal:
                     backlog, predict(role, led, costs, current, prefill_backlog=backlog),
                     predict(role, led, costs, desired, prefill_backlog=backlog))
 
-    def _demand(self, pool: str, finished: dict[tuple[str, str], list[float]],
-                in_gateway: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
-                span: float, queued_now: dict[str, Any]) -> list[ClassDemand]:
+    def _demand(self, pool: str, share: DemandShare) -> list[ClassDemand]:
         classes = self._gw.config.traffic.classes
-        keys = {k for k in (*finished, *in_gateway, *before) if k[0] == pool}
+        keys = {k for k in (*share.rates, *share.sums, *share.queued) if k[0] == pool}
         out = []
         for key in sorted(keys):
-            sums = finished.get(key, [0.0] * 6)
-            arrived = sums[_FINISHED] + in_gateway.get(key, 0.0) - before.get(key, 0.0)
+            sums = share.sums.get(key, [0.0] * 6)
             if sums[_ANSWERED] > 0:
                 n = sums[_ANSWERED]
                 mix = self._mix[key] = (sums[_PROMPT] / n, sums[_CACHED] / n, sums[_OUTPUT] / n)
@@ -195,10 +266,20 @@ class CapacitySignal:
             ttft = dict(targets.get("ttft", ())).get("p95")
             tpot = dict(targets.get("tpot", ())).get("p95")
             out.append(ClassDemand(
-                key[1], max(0.0, arrived) / span, prompt, max(0.0, prompt - cached), output,
+                key[1], share.rates.get(key, 0.0), prompt, max(0.0, prompt - cached), output,
                 None if ttft is None else ttft / 1000.0, None if tpot is None else tpot / 1000.0,
-                float(queued_now.get(key[1], {}).get("queued", 0))))
+                share.queued.get(key, 0.0)))
         return out
+
+    def _merged_costs(self, name: str, pool: Any, role: str, share: DemandShare) -> EngineCosts:
+        """The engine costs merged over the gateways (policies/demand_share.py); this gateway's own without a
+        share for the pool."""
+        merged = share.costs.get(name)
+        if merged is None:
+            return self._costs(name, pool, role)
+        (a, c), (d0, d1, d2) = merged.prefill, merged.decode
+        return EngineCosts(prefill_step_s=a, prefill_s_per_1k=c, decode_step_s=d0, decode_s_per_seq=d1,
+                           decode_s_per_seq_1k=d2, kv_tokens=merged.kv_tokens)  # the decoding side's: what needs KV
 
     def _costs(self, name: str, pool: Any, role: str) -> EngineCosts:
         model = self._gw.latency.get(name)
@@ -222,8 +303,17 @@ class CapacitySignal:
         pools: dict[str, Any] = {}
         for (pool, role), entry in sorted(self.entries.items()):
             pools.setdefault(pool, {})[role] = entry
+        local: dict[str, Any] = {}
+        if self.local is not None:
+            for (pool, cls), rate in sorted(self.local.rates.items()):
+                local.setdefault(pool, {})[cls] = {"rate_per_s": round(rate, 4)}
+        source, gateways = self.source
         return {"interval_s": cfg.interval_s, "window_s": cfg.window_s,
                 "scale_down_stabilization_s": cfg.scale_down_stabilization_s, "startup_s": cfg.startup_s,
+                # "shared": the demand below is the sum over `demand_gateways` live gateways (state: redis);
+                # "local": this gateway's alone (memory state, or Redis unreachable)
+                "demand_source": source, "demand_gateways": gateways,
+                "local_demand": local,  # this gateway's own share of the demand, per pool and class
                 "pools": pools}
 
 
@@ -235,6 +325,15 @@ def _in_gateway(traffic: dict[str, Any]) -> dict[tuple[str, str], float]:
         for cls, counts in view.get("classes", {}).items():
             out[(pool, cls)] = float(counts.get("in_flight", 0) + counts.get("queued", 0))
     return out
+
+
+def _seeded(now: float, shared: StableShare, cfg: Any) -> Stabilizer:
+    """A signal that starts where the running gateways' is (a gateway joining them, or restarted): same count, same
+    time since its last change, same recent needs, so that it falls when theirs does."""
+    stable = Stabilizer(window_s=cfg.scale_down_stabilization_s, desired=shared.desired,
+                        changed_at=now - shared.since_change_s)
+    stable.history.extend(sorted((now - age, n) for age, n in shared.history))
+    return stable
 
 
 def _scaled(demand: ClassDemand, factor: float) -> ClassDemand:

@@ -17,6 +17,9 @@ nothing here is awaited on the request path:
   gateways is one session everywhere.
 - A poller task reads the other gateways' snapshots every `poll_interval_s` and sums them per replica;
   `remote_in_flight` is then a dict lookup.
+- The capacity signal (gateway/capacity.py) calls `exchange_capacity` once per `capacity.interval_s`: ONE pipeline
+  that SETs this gateway's demand share (policies/demand_share.py's bytes, TTL a few intervals) and MGETs the other
+  live gateways' (the registry as the poller last read it), so every gateway sizes the pools from the same demand.
 
 Redis is an optimisation, never a dependency: when it is unreachable the gateway routes from its own view, logs once,
 keeps only the newest `max_buffer` dispatches, reconnects with back-off and, once Redis answers again, catches up (the
@@ -98,6 +101,8 @@ class SharedStateCounters:
     session_events_sent: int = 0  # answer records published (pools/sessions.py)
     session_events_received: int = 0  # other gateways' answer records applied
     session_events_dropped: int = 0  # answer records lost with a failed flush
+    capacity_exchanges: int = 0  # demand shares published (one pipeline each, with the read of the others')
+    capacity_shares_read: int = 0  # other gateways' demand shares read
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -116,6 +121,10 @@ class SharedState(Protocol):
 
     def remote_in_flight(self, replica: str) -> int:
         """In-flight requests other gateways currently have on `replica`."""
+
+    async def exchange_capacity(self, share: bytes, ttl_s: float) -> list[tuple[str, bytes]] | None:
+        """Publish this gateway's demand share (kept `ttl_s`) and return every live gateway's as (gateway id, share),
+        this one's included; None when there is nothing to share with (memory state, Redis unreachable)."""
 
 
 class LocalState:
@@ -137,6 +146,9 @@ class LocalState:
 
     def remote_in_flight(self, replica: str) -> int:
         return 0
+
+    async def exchange_capacity(self, share: bytes, ttl_s: float) -> list[tuple[str, bytes]] | None:
+        return None
 
 
 # -- wire format ---------------------------------------------------------------------------------------------------
@@ -243,7 +255,8 @@ class RedisState:
 
     Keys, under `key_prefix` (one prefix per model, e.g. "m3gate:MiniMaxAI/MiniMax-M3:"):
     `dispatch` (stream of {g: gateway id, d: batch, s: session records}), `gateways` (set of live gateway ids),
-    `inflight:<id>` (JSON {url: count}, TTL). Counters count dispatches, not stream entries.
+    `inflight:<id>` (JSON {url: count}, TTL), `capacity:<id>` (the capacity signal's demand share, TTL).
+    Counters count dispatches, not stream entries.
     """
 
     def __init__(
@@ -289,6 +302,8 @@ class RedisState:
         self.registry_key = f"{key_prefix}gateways"
         self._inflight_prefix = f"{key_prefix}inflight:"
         self.inflight_key = self._inflight_prefix + self.gateway_id
+        self._capacity_prefix = f"{key_prefix}capacity:".encode()
+        self.capacity_key = self._capacity_prefix + self._gid
         self.available = False
         self.counters = SharedStateCounters()
         # Retries are ours (back-off, one log line per outage): redis-py must fail fast instead of retrying each call.
@@ -298,6 +313,7 @@ class RedisState:
         )
         self._buffer: deque[tuple[str, str, RoutingRequest]] = deque(maxlen=max_buffer)
         self._remote: dict[str, int] = {}
+        self._peers: list[bytes] = []  # the other live gateways' ids, as the poller last read the registry
         self._up = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._backoff_s = backoff_initial_s
@@ -366,6 +382,7 @@ class RedisState:
         self.available = False
         self._up.clear()
         self._remote = {}
+        self._peers = []
         try:
             await self._client.aclose()
         except _REDIS_ERRORS:
@@ -394,7 +411,7 @@ class RedisState:
         pipe = self._client.pipeline(transaction=False)
         events, _ = self._take_session_events()
         self._queue_dispatches(pipe, self._take_batch(), events)
-        pipe.delete(self.inflight_key)
+        pipe.delete(self.inflight_key, self.capacity_key)
         pipe.srem(self.registry_key, self._gid)
         await pipe.execute()
 
@@ -416,6 +433,7 @@ class RedisState:
         if epoch != self._epoch:
             return
         self._remote = {}  # other gateways' counts can no longer be refreshed: do not let them linger
+        self._peers = []
         if "outage" not in self._logged:
             self.counters.disconnects += 1
             self._logged.add("outage")
@@ -646,8 +664,43 @@ class RedisState:
                             totals[url] = totals.get(url, 0) + n
             if gone:  # a live gateway re-adds itself on its next flush, so pruning can only be briefly wrong
                 await self._client.srem(self.registry_key, *gone)
+                others = [m for m in others if m not in gone]
         self._remote = totals
+        self._peers = others
         self.counters.polls += 1
+
+    # -- capacity signal -----------------------------------------------------------------------------------------
+
+    async def exchange_capacity(self, share: bytes, ttl_s: float) -> list[tuple[str, bytes]] | None:
+        """One pipeline: SET this gateway's share with a TTL (a gateway that dies stops counting within `ttl_s`;
+        one that stops withdraws it at once) and MGET the other live gateways'. Never raises for Redis: an
+        unreachable Redis (or one refusing the commands) answers None, and the caller sizes from its own demand."""
+        if not self.available or self._stopping:
+            return None
+        peers = self._peers
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.capacity_key, share, px=max(1, int(ttl_s * 1000)))
+        if peers:
+            pipe.mget([self._capacity_prefix + p for p in peers])
+        epoch = self._epoch
+        try:
+            replies = await pipe.execute()
+        except _CONNECTION_ERRORS as exc:
+            self._lost(exc, epoch)
+            return None
+        except RedisError as exc:
+            self.counters.errors += 1
+            self._log_once(f"capacity:{type(exc).__name__}", "shared state: publishing the demand share failed: %s",
+                           exc)
+            return None
+        self.counters.capacity_exchanges += 1
+        out = [(self.gateway_id, share)]
+        if peers:
+            for peer, blob in zip(peers, replies[1], strict=True):
+                if blob is not None:  # None: expired (the gateway died) or not published yet (it just started)
+                    out.append((peer.decode(errors="replace"), bytes(blob)))
+            self.counters.capacity_shares_read += len(out) - 1
+        return out
 
 
 def build_shared_state(url: str | None, apply_remote: ApplyRemote, local_in_flight: LocalInFlight,

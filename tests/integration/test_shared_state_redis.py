@@ -103,6 +103,32 @@ async def test_remote_in_flight_sums_other_gateways_and_vanishes_when_one_stops(
             await s.stop()
 
 
+async def test_capacity_shares_are_exchanged_expire_by_ttl_and_are_withdrawn_on_stop(prefix: str) -> None:
+    a = _state(SHARED_REDIS, prefix, Applied(), {})
+    b = _state(SHARED_REDIS, prefix, Applied(), {})
+    c = _state(SHARED_REDIS, prefix, Applied(), {})
+    for s in (a, b, c):
+        await s.start()
+    try:
+        # the registry is read by the poller: a peer counts once each has flushed and been polled
+        await eventually(lambda: len(a._peers) == 2 and len(b._peers) == 2, 2.0)
+        assert await a.exchange_capacity(b"share-a", 10.0) == [(a.gateway_id, b"share-a")]  # nobody else yet
+        assert await c.exchange_capacity(b"share-c", 0.5) == [(c.gateway_id, b"share-c"), (a.gateway_id, b"share-a")]
+        got = dict(await b.exchange_capacity(b"share-b", 10.0) or [])
+        assert got == {a.gateway_id: b"share-a", b.gateway_id: b"share-b", c.gateway_id: b"share-c"}
+        assert b.counters.capacity_exchanges == 1 and b.counters.capacity_shares_read == 2
+
+        await asyncio.sleep(0.7)  # c stopped publishing (it still flushes and stays registered): its TTL ran out
+        assert dict(await b.exchange_capacity(b"share-b", 10.0) or []).keys() == {a.gateway_id, b.gateway_id}
+
+        await a.stop()  # a clean stop withdraws the share at once, long before its 10 s TTL
+        assert dict(await b.exchange_capacity(b"share-b", 10.0) or []).keys() == {b.gateway_id}
+    finally:
+        for s in (a, b, c):
+            await s.stop()
+    assert await b.exchange_capacity(b"share-b", 10.0) is None  # stopped: nothing is shared
+
+
 @pytest.fixture
 def crashed_gateway_script() -> str:
     return (
@@ -171,6 +197,7 @@ async def test_redis_outage_routes_locally_then_resynchronises(
         await eventually(lambda: not a.available and not b.available, 1.0)
         assert a.buffered <= 256 and a.counters.entries_dropped >= 5000 - 256
         assert b.remote_in_flight("http://r1") == 0  # no stale counts from an unreachable Redis
+        assert await b.exchange_capacity(b"share", 1.0) is None  # the capacity signal sizes from its own demand
         await asyncio.sleep(0.5)  # several failed reconnects
 
         private_redis.start()
@@ -180,6 +207,10 @@ async def test_redis_outage_routes_locally_then_resynchronises(
         # the newest dispatches kept during the outage were published on reconnect (resync)
         assert "http://during4999" in got_b.replicas()
         await eventually(lambda: b.remote_in_flight("http://r1") == 2, 1.0)
+        await eventually(lambda: len(a._peers) == 1, 1.0)
+        await b.exchange_capacity(b"share-b", 5.0)
+        assert dict(await a.exchange_capacity(b"share-a", 5.0) or []) == {a.gateway_id: b"share-a",
+                                                                        b.gateway_id: b"share-b"}
         assert a.counters.reconnects == b.counters.reconnects == 1
     finally:
         await a.stop()
