@@ -646,7 +646,7 @@ def tracing(r: ReplicaLaunch) -> Fragment:
 
 def graceful_shutdown(r: ReplicaLaunch) -> Fragment:
     """On SIGTERM (a rolling restart, a node drain) the replica refuses new requests, which the gateway then sends
-    elsewhere, and finishes those in flight for up to `shutdown_timeout_s` instead of aborting them (vLLM's default 0)."""
+    elsewhere, and finishes those in flight for up to `shutdown_timeout_s` instead of aborting them (vLLM's 0)."""
     return ["--shutdown-timeout", str(r.spec.shutdown_timeout_s)], {}
 
 
