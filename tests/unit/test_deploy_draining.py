@@ -68,7 +68,8 @@ def violations(objects: list[Obj], config: GatewayConfig) -> list[str]:
             continue
         sleep = int(command[1])
         labels = template["metadata"]["labels"]
-        stale = PROPAGATION_S + COREDNS_TTL_S + refresh_s(config, labels["m3gate.io/pool"], labels.get("m3gate.io/role"))
+        role = labels.get("m3gate.io/role")
+        stale = PROPAGATION_S + COREDNS_TTL_S + refresh_s(config, labels["m3gate.io/pool"], role)
         if sleep < stale:
             found.append(f"{name}: preStop {sleep} s < {stale} s for the gateways to stop sending it requests")
         grace = template["spec"].get("terminationGracePeriodSeconds", 30)
