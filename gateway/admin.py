@@ -49,7 +49,9 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
                 "role": replica.role,
                 "available": replica.is_available(now),
                 "healthy": replica.healthy,
-                "draining": replica.draining,
+                "draining": replica.drain_state is not None,
+                "drain_reason": replica.drain_state,  # "admin", or why the replica itself is shutting down
+                "drains": replica.drains,  # times it was seen shutting down, since the gateway started
                 "ejected_for_s": round(max(0.0, replica.ejected_until - now), 3),
                 "consecutive_failures": replica.consecutive_failures,
                 "ejections": replica.ejections,  # since the gateway started (each with its back-off)
@@ -95,6 +97,8 @@ async def _set_draining(request: Request, draining: bool) -> Response:
         replica = pool.replicas.get(endpoint)
         if replica is not None:
             replica.draining = draining
+            if not draining:
+                replica.stop_draining()  # an operator's word; a replica still shutting down refuses and drains again
             return JSONResponse({"endpoint": endpoint, "pool": pool.name, "draining": draining,
                                  "in_flight": replica.in_flight})
     return error_response(404, f"No replica {endpoint} in any pool.", "not_found_error", "endpoint", "unknown_endpoint")

@@ -38,7 +38,7 @@ from policies.config import DisaggregationConfig
 from policies.disagg import decide, rank_decode
 from policies.pool_choice import PoolChoice
 from policies.replica_choice import NoReplicaAvailable, ReplicaPolicy, RoutingRequest, build_policy
-from policies.vllm_wire import decode_body, prefill_body, usage_counts
+from policies.vllm_wire import decode_body, prefill_body, refuses_new_requests, usage_counts
 from pools.replicas import PoolRuntime, Replica
 
 log = logging.getLogger("m3gate.disagg")
@@ -153,7 +153,10 @@ class Disaggregation:
                 continue
             done = gw.clock()
             if reply.status in RETRYABLE_STATUS:
-                replica.record_failure(done, answered=True)
+                if refuses_new_requests(reply.status, reply.data):  # shutting down: drained, not a failure
+                    replica.start_draining("refused a request (shutting down)")
+                else:
+                    replica.record_failure(done, answered=True)
                 continue
             replica.record_success()
             if reply.status != 200:  # the request's own fault (too long, bad parameter): the client hears it

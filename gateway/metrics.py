@@ -559,6 +559,10 @@ class ReplicaCollector:
                           "not ejected after failures.")
         ejections = CounterMetricFamily("m3gate_replica_ejections", "Times the replica was ejected after a failure.",
                                         labels=pe)
+        draining = gauge("m3gate_replica_draining", "1 while the replica takes no new requests but finishes its "
+                         "streams: drained by the admin API, or shutting down (it refused a request as vLLM does "
+                         "after SIGTERM, refused the connection, or /health answered 503).")
+        drains = CounterMetricFamily("m3gate_replica_drains", "Times the replica was seen shutting down.", labels=pe)
         in_flight = gauge("m3gate_replica_in_flight_requests", "Requests this gateway has on the replica now.")
         waiting = gauge("m3gate_replica_waiting_requests", "vllm:num_requests_waiting at the last scrape.")
         running = gauge("m3gate_replica_running_requests", "vllm:num_requests_running at the last scrape.")
@@ -580,6 +584,8 @@ class ReplicaCollector:
                 healthy.add_metric(lv, float(replica.healthy))
                 available.add_metric(lv, float(ok))
                 ejections.add_metric(lv, float(replica.ejections))
+                draining.add_metric(lv, float(replica.drain_state is not None))
+                drains.add_metric(lv, float(replica.drains))
                 in_flight.add_metric(lv, float(replica.in_flight))
                 load = replica.scraped
                 if load is not None:
@@ -592,7 +598,8 @@ class ReplicaCollector:
                     age.add_metric(lv, max(0.0, now - replica.scraped_at))
             replicas.add_metric([name], float(count))
             live.add_metric([name], float(up))
-        yield from (healthy, available, ejections, in_flight, waiting, running, kv, queries, hits, age, replicas, live)
+        yield from (healthy, available, ejections, draining, drains, in_flight, waiting, running, kv, queries, hits,
+                    age, replicas, live)
         capacity = getattr(gw, "capacity", None)
         if capacity is not None:  # the capacity signal (gateway/capacity.py): what an autoscaler follows
             desired = GaugeMetricFamily("m3gate_pool_desired_replicas", "Replicas the pool role needs for its "

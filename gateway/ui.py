@@ -115,10 +115,10 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
             scraped = replica.scraped
             hit_rate = (scraped.prefix_hits / scraped.prefix_queries
                         if scraped is not None and scraped.prefix_queries else None)
-            if r["draining"]:
-                state = "draining"
-            elif not r["healthy"]:
+            if not r["healthy"]:  # a replica that stopped listening is down, whatever drained it
                 state = "unhealthy"
+            elif r["draining"]:
+                state = "draining"
             elif r["ejected_for_s"] > 0:
                 state = "ejected"
             else:

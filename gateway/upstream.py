@@ -38,16 +38,16 @@ from gateway.relay import (
 from gateway.runtime import Gateway
 from policies.classify import RequestProfile
 from policies.replica_choice import RoutingDecision, RoutingRequest
-from policies.vllm_wire import usage_of
+from policies.vllm_wire import connection_refused, refuses_new_requests, usage_of
 from pools.replicas import PoolRuntime, Replica
 
 # aiohttp's own errors and the OS's (a refused or reset connection; TimeoutError is one): a failed upstream call
 UPSTREAM_ERRORS = (aiohttp.ClientError, OSError)
 
-FailureKind = Literal["timeout", "unreachable", "answered_5xx", "kv_transfer_failed"]
-_STATUS = {"timeout": 504, "unreachable": 502, "answered_5xx": 502, "kv_transfer_failed": 502}
+FailureKind = Literal["timeout", "unreachable", "answered_5xx", "kv_transfer_failed", "draining"]
+_STATUS = {"timeout": 504, "unreachable": 502, "answered_5xx": 502, "kv_transfer_failed": 502, "draining": 503}
 _CODE = {"timeout": "upstream_timeout", "unreachable": "upstream_unreachable", "answered_5xx": "upstream_error",
-         "kv_transfer_failed": "kv_transfer_failed"}
+         "kv_transfer_failed": "kv_transfer_failed", "draining": "replica_draining"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,10 @@ class Upstream:
             data = await (response.content.readany() if stream else response.read())
         except UPSTREAM_ERRORS as exc:
             held.close()
-            replica.record_failure(gw.clock())
+            if connection_refused(exc):  # nothing listens: shutting down or restarting, not a failure to eject
+                replica.start_draining("connection refused")
+            else:
+                replica.record_failure(gw.clock())
             return failure_of(exc, replica, pool)
         except BaseException:
             held.close()
@@ -178,6 +181,11 @@ class Upstream:
         if isinstance(reply, Failed):
             return reply
         record.t_headers = reply.t_headers
+        if refuses_new_requests(reply.status, reply.data):  # shutting down: drained, and the request goes elsewhere
+            replica.start_draining("refused a request (shutting down)")
+            held.close(abort=True)
+            return Failed("draining", f"replica {replica.url} of pool '{pool.name}' is shutting down",
+                          reached_replica=False)
         if reply.status in RETRYABLE_STATUS and retry_left:
             held.close(abort=True)
             return Failed("answered_5xx", f"replica answered {reply.status}", reached_replica=True)

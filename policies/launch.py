@@ -56,7 +56,7 @@ OWNED_FLAGS: frozenset[str] = frozenset({
     "--reasoning-parser", "--enable-auto-tool-choice", "--served-model-name", "--port", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--kv-events-config", "--enable-prompt-tokens-details",
     "--enable-server-load-tracking", "--otlp-traces-endpoint", "--collect-detailed-traces", "--api-key",
-    "--scheduling-policy", "--kv-transfer-config",
+    "--scheduling-policy", "--kv-transfer-config", "--shutdown-timeout",
 })
 # vLLM's NixlConnector: the role each side of a disaggregated pool is launched with, and NIXL's side channel (the
 # decode replicas connect to the prefill replicas' VLLM_NIXL_SIDE_CHANNEL_HOST:PORT to read their blocks).
@@ -121,6 +121,12 @@ class LaunchSpec(BaseModel):
         "the endpoint's path ends in /v1/traces (the gateway's receiver speaks only that), else vLLM's grpc."
     )
     collect_detailed_traces: Literal["model", "worker", "all"] | None = None
+    shutdown_timeout_s: int = Field(
+        default=60, ge=0, le=86_400,
+        description="--shutdown-timeout: on SIGTERM vLLM refuses new requests and lets those in flight finish for up "
+        "to this many seconds (0 aborts them at once). Kubernetes' terminationGracePeriodSeconds must exceed the "
+        "preStop sleep plus this (deploy/k8s).",
+    )
     extra_args: tuple[str, ...] = Field(default=(), description="More vllm serve flags (not ones the renderer owns).")
     extra_env: dict[str, str] = Field(default_factory=dict, description="More environment (not the recipe's own).")
 
@@ -638,6 +644,12 @@ def tracing(r: ReplicaLaunch) -> Fragment:
     return args, env
 
 
+def graceful_shutdown(r: ReplicaLaunch) -> Fragment:
+    """On SIGTERM (a rolling restart, a node drain) the replica refuses new requests, which the gateway then sends
+    elsewhere, and finishes those in flight for up to `shutdown_timeout_s` instead of aborting them (vLLM's 0)."""
+    return ["--shutdown-timeout", str(r.spec.shutdown_timeout_s)], {}
+
+
 def extra_args(r: ReplicaLaunch) -> Fragment:
     return list(r.spec.extra_args), {}
 
@@ -645,7 +657,7 @@ def extra_args(r: ReplicaLaunch) -> Fragment:
 RULES: tuple[Callable[[ReplicaLaunch], Fragment], ...] = (
     serve, remote_code, block_and_length, language_model_only, nvfp4_precision, amd_baseline, online_fp8,
     mi300x_mxfp8, mi355x_mxfp8, high_concurrency, kv_cache_dtype, amd_long_context, encoder_parallel, speculative,
-    parsers, served_model_name, gateway_observes, scheduling_policy, kv_events, tracing, extra_args,
+    parsers, served_model_name, gateway_observes, scheduling_policy, kv_events, tracing, graceful_shutdown, extra_args,
 )
 
 

@@ -4,11 +4,14 @@ The gateway relays bodies byte for byte; it only builds or reads a few of vLLM's
 answer (token counts, in each API's shape), the `/tokenize` body that counts a generate request's prompt exactly, and
 the prefill request of disaggregated serving (NIXL's KV-transfer protocol, as vLLM's toy proxy
 `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py` speaks it). Each copy of one of these shapes elsewhere
-would drift from vLLM on its own (reference: /work/shared/reference/vllm-contract.md, sections 1, 2 and 10).
+would drift from vLLM on its own (reference: /work/shared/reference/vllm-contract.md, sections 1, 2 and 10). It also
+reads the signs of a replica shutting down (SIGTERM with `--shutdown-timeout`, docs/stream-migration.md section 5), so
+the gateway drains it instead of counting its refusals as failures.
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -16,8 +19,12 @@ import orjson
 
 __all__ = [
     "PREFILL_KV_PARAMS",
+    "SHUTDOWN_REFUSAL",
+    "connection_refused",
     "decode_body",
+    "health_says_draining",
     "prefill_body",
+    "refuses_new_requests",
     "tokenize_body",
     "usage_counts",
     "usage_of",
@@ -114,3 +121,41 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) 
     """The decode request: the client's own body with the prefill answer's `kv_transfer_params`, as they came (the
     decode replica pulls the prompt's blocks with them)."""
     return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+# What vLLM 0.32 answers a new request once SIGTERM has shut its renderer's executor down (Python's own
+# ThreadPoolExecutor message), with HTTP 500, while /health still answers 200 and the streams in flight go on.
+SHUTDOWN_REFUSAL = "cannot schedule new futures after shutdown"
+_SHUTDOWN_REFUSAL_BYTES = SHUTDOWN_REFUSAL.encode()
+
+
+def refuses_new_requests(status: int, body: bytes) -> bool:
+    """The replica is shutting down and refused this request before any work: a 500 whose error message is
+    SHUTDOWN_REFUSAL. Any other 500 is an ordinary failure. (The byte search first: ordinary answers cost ~0.1 µs.)"""
+    if status != 500 or _SHUTDOWN_REFUSAL_BYTES not in body:
+        return False
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    error = obj.get("error") if isinstance(obj, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return isinstance(message, str) and SHUTDOWN_REFUSAL in message
+
+
+def connection_refused(exc: BaseException | None) -> bool:
+    """The replica's port refused the connection: nothing listens there (vLLM stopped listening at SIGTERM with
+    `--shutdown-timeout 0`, exited, or has not started yet), so nothing of the request reached it. Follows aiohttp's
+    `os_error` and the exception's causes."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ConnectionRefusedError) or (isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED):
+            return True
+        exc = getattr(exc, "os_error", None) or exc.__cause__
+        seen += 1
+    return False
+
+
+def health_says_draining(status: int) -> bool:
+    """/health answers 503 when vLLM's engine is dead or going (EngineDeadError): take no new requests there."""
+    return status == 503

@@ -1,8 +1,12 @@
 """Active health checks and /metrics scraping for every replica, on one short interval.
 
-A replica is healthy when `/health` answers 200. Its load (waiting, running, KV usage, prefix counters, cache config)
-comes from vLLM's own `/metrics`, parsed with prometheus_client's parser. Only the few families routing reads are fed
-to the parser, so scraping a replica costs well under a millisecond of gateway CPU.
+A replica is healthy when `/health` answers 200; a 503 there (vLLM's engine dead or going) also drains it. A replica
+draining because it is shutting down (pools/replicas.py `shutting_down`) leaves that state only when a probe shows it
+takes requests again: vLLM keeps answering /health 200 all through its shutdown, so health alone cannot tell.
+
+A replica's load (waiting, running, KV usage, prefix counters, cache config) comes from vLLM's own `/metrics`, parsed
+with prometheus_client's parser. Only the few families routing reads are fed to the parser, so scraping a replica
+costs well under a millisecond of gateway CPU.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from policies.vllm_wire import connection_refused, health_says_draining, refuses_new_requests
 from pools.replicas import Replica, ScrapedLoad
 from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.monitor")
+
+# A request that exercises what a shutting-down vLLM refuses (its renderer) and nothing of its engine.
+_PROBE = b'{"prompt":"m3gate drain probe"}'
 
 _WANTED = (
     b"vllm:num_requests_waiting{",
@@ -99,18 +107,40 @@ class ReplicaMonitor:
         if replicas:
             await asyncio.gather(*(self._poll(r) for r in replicas), return_exceptions=True)
 
+    async def _takes_requests(self, replica: Replica, headers: dict[str, str]) -> bool:
+        """Whether a replica that was shutting down takes requests again (a new process at its URL): a /tokenize,
+        which vLLM refuses as it refuses a generate request while it shuts down, answered with anything but that
+        refusal or a 5xx. Then it is back in rotation."""
+        try:
+            async with self._session.post(replica.url + "/tokenize", data=_PROBE, timeout=self._timeout,
+                                          headers={**headers, "content-type": "application/json"}) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if not connection_refused(exc):
+                log.debug("drain probe of %s failed: %r", replica.url, exc)
+            return False
+        if refuses_new_requests(status, body) or status >= 500:
+            return False
+        replica.stop_draining()
+        return True
+
     async def _poll(self, replica: Replica) -> None:
         headers = self._headers_for(replica)
         try:
             async with self._session.get(replica.url + "/health", headers=headers, timeout=self._timeout) as resp:
                 await resp.read()
                 healthy = resp.status == 200
+                if health_says_draining(resp.status):
+                    replica.start_draining("/health answered 503")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             healthy = False
         if healthy != replica.healthy:
             log.warning("replica %s (pool %s) is now %s", replica.url, replica.pool, "healthy" if healthy else "UNHEALTHY")
         replica.healthy = healthy
         if not healthy:
+            return
+        if replica.shutting_down is not None and not await self._takes_requests(replica, headers):
             return
         try:
             async with self._session.get(replica.url + "/metrics", headers=headers, timeout=self._timeout) as resp:

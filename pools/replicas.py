@@ -7,6 +7,7 @@ disconnect — can leak an in-flight count (peers' PS PR #1072 / VR #179 class o
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ EWMA_ALPHA = 0.2
 EJECT_BASE_S = 1.0
 EJECT_MAX_S = 30.0
 EJECT_AFTER_5XX = 3  # consecutive 5xx answers before a replica that still answers is ejected
+
+log = logging.getLogger("m3gate.replicas")
 
 
 @dataclass
@@ -76,7 +79,11 @@ class Replica:
     kv_blocks: int | None = None
     # health
     healthy: bool = True  # last active /health answer
-    draining: bool = False
+    draining: bool = False  # drained by the admin API
+    # The replica itself is shutting down (SIGTERM): it refused a request as vLLM does then, refused the connection,
+    # or /health answered 503. No new requests until the monitor sees it take them again; its streams finish.
+    shutting_down: str | None = None  # why, while it is
+    drains: int = 0  # times it was seen shutting down
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     ejections: int = 0
@@ -97,7 +104,12 @@ class Replica:
     role: str = "both"  # "prefill" | "decode" in a disaggregated pool (`PoolRuntime.snapshots` serves the others)
 
     def is_available(self, now: float) -> bool:
-        return self.healthy and not self.draining and now >= self.ejected_until
+        return self.healthy and not self.draining and self.shutting_down is None and now >= self.ejected_until
+
+    @property
+    def drain_state(self) -> str | None:
+        """Why it takes no new requests while its streams finish: "admin", the replica's own shutdown, or None."""
+        return "admin" if self.draining else self.shutting_down
 
     def snapshot(self, now: float, remote_in_flight: int = 0) -> ReplicaSnapshot:
         """What policies see. `remote_in_flight` is other gateways' load on it (shared state)."""
@@ -108,7 +120,7 @@ class Replica:
             self.url,  # url
             self.pool,  # pool
             self.healthy and now >= self.ejected_until,  # healthy
-            self.draining,  # draining
+            self.draining or self.shutting_down is not None,  # draining
             self.in_flight + remote_in_flight,  # in_flight
             self.in_flight_tokens,  # in_flight_tokens
             None if s is None else s.waiting,  # waiting
@@ -155,6 +167,22 @@ class Replica:
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.ejected_until = 0.0
+
+    def start_draining(self, why: str) -> None:
+        """The replica is shutting down (`why`): no new requests. Not a failure: it ejects nothing, and the request
+        it refused goes to another replica before its first byte."""
+        if self.shutting_down is None:
+            self.shutting_down = why
+            self.drains += 1
+            log.warning("replica %s (pool %s) is shutting down (%s): draining", self.url, self.pool, why)
+
+    def stop_draining(self) -> None:
+        """The replica takes requests again (a restarted process at the same URL): back in rotation at once, without
+        the back-off of failures seen while it was down."""
+        if self.shutting_down is not None:
+            log.warning("replica %s (pool %s) takes requests again after draining", self.url, self.pool)
+            self.shutting_down = None
+            self.record_success()
 
     def observe_latency(self, uncached_prompt_tokens: int, ttft_s: float, output_tokens: int, decode_s: float) -> None:
         if uncached_prompt_tokens > 0 and ttft_s > 0:
@@ -255,7 +283,8 @@ class PoolRuntime:
         """Some replica that serves clients is available (`Replica.is_available`, inlined: this runs per pool on
         every request)."""
         for r in self.replicas.values():
-            if r.healthy and not r.draining and now >= r.ejected_until and r.role != "prefill":
+            if (r.healthy and not r.draining and r.shutting_down is None and now >= r.ejected_until
+                    and r.role != "prefill"):
                 return True
         return False
 

@@ -84,6 +84,7 @@ def gateway_additions(max_model_len: int, checkpoint: str) -> dict[str, Any]:
         "--enable-prefix-caching": True,
         "--enable-prompt-tokens-details": True,
         "--enable-server-load-tracking": True,
+        "--shutdown-timeout": "60",  # finish the streams in flight on SIGTERM (launch.shutdown_timeout_s' default)
         **PARSERS,  # "Keep --tool-call-parser minimax_m3, --reasoning-parser minimax_m3, and --enable-auto-tool-choice"
     }
     if checkpoint != SERVED:

@@ -248,12 +248,30 @@ def test_tracing_names_the_pool_and_speaks_http_to_a_traces_receiver(endpoint: s
     assert launch.tracing(replica({"hardware": "h200"})) == NOTHING
 
 
+def test_sigterm_lets_the_streams_in_flight_finish_for_the_shutdown_timeout() -> None:
+    # The gateway's: vLLM's default (0) aborts every stream in flight on SIGTERM; with N it refuses new requests
+    # (which the gateway sends elsewhere) and lets those in flight run up to N seconds. Every replica carries it.
+    assert launch.graceful_shutdown(replica({"hardware": "h200"})) == (["--shutdown-timeout", "60"], {})
+    assert launch.graceful_shutdown(replica({"hardware": "h200", "shutdown_timeout_s": 0})) == (
+        ["--shutdown-timeout", "0"], {})
+    with pytest.raises(ValueError, match="shutdown_timeout_s"):
+        replica({"hardware": "h200", "shutdown_timeout_s": -1})
+    with pytest.raises(ValueError, match="--shutdown-timeout"):
+        replica({"hardware": "h200", "extra_args": ["--shutdown-timeout", "5"]})  # the renderer owns the flag
+    pd = PoolConfig.model_validate({
+        "name": "pd", "max_model_len": 131072, "modalities": ["text"], "launch": {"hardware": "h200"},
+        "disaggregation": {"prefill": {"endpoints": ["http://p:8000"]}, "decode": {"endpoints": ["http://d:8000"]}}})
+    for cmd in launch.render(pd, "m3"):
+        i = cmd.argv.index("--shutdown-timeout")
+        assert cmd.argv[i + 1] == "60", cmd.role
+
+
 def test_extra_args_come_last_as_given() -> None:
     assert launch.extra_args(replica({"hardware": "h200", "extra_args": ["--seed", "1"]})) == (["--seed", "1"], {})
 
 
 def test_every_rule_is_applied_once_in_order() -> None:
-    assert len(set(launch.RULES)) == len(launch.RULES) == 21
+    assert len(set(launch.RULES)) == len(launch.RULES) == 22
     spec = replica({"hardware": "mi355x", "variant": "mxfp8", "tensor_parallel_size": 4, "high_concurrency": True,
                     "kv_events": True}, served_model="m3")
     argv = [a for rule in launch.RULES for a in rule(spec)[0]]

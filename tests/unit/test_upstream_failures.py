@@ -44,3 +44,5 @@ def test_each_failure_maps_to_its_kind(exc: BaseException, kind: str, reached: b
 def test_failures_the_relay_makes_itself_keep_their_codes() -> None:
     assert Failed("answered_5xx", "replica answered 503", True).error().code == "upstream_error"
     assert Failed("kv_transfer_failed", "no KV", True).error().status == 502
+    draining = Failed("draining", "replica is shutting down", False).error()  # the last replica left refused it
+    assert (draining.status, draining.code) == (503, "replica_draining")
