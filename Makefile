@@ -11,6 +11,9 @@ $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip >/dev/null
 	$(BIN)/pip install -q -e '.[test]'
+	@# xds-protos (the picker's ext_proc stubs) ships its own, older copies of opentelemetry-proto's modules, which
+	@# break the OTLP exporters wherever pip installed them last: put opentelemetry-proto's own files back.
+	$(BIN)/pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(BIN)/m3gate
 
 venv: $(BIN)/m3gate
