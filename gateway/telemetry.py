@@ -556,11 +556,9 @@ class Tracing:
         end_ns = offset + int(end * 1e9)
         out: list[ReadableSpan] = []
         events: list[Event] | tuple[()] = ()
-        if waited:  # the admission queue held it (for a millisecond or more)
-            events = [_Event("m3gate.admitted", offset + int(waited * 1e9))]
-        for at, tokens, endpoint in migrations or ():  # resumed on another replica after a failure mid-stream
-            events = [*events, _Event("m3gate.migration", offset + int(at * 1e9), {
-                "m3gate.migration.tokens": tokens, "m3gate.endpoint": endpoint})]
+        if waited or migrations:  # the admission queue held it (a millisecond or more); resumed mid-stream
+            events = [*([_Event("m3gate.admitted", offset + int(waited * 1e9))] if waited else ()),
+                      *_migration_events(migrations or (), offset)]
         name = "POST " + path
         last = len(attempts) - 1
         for i, (span_id, started, pool, endpoint, role) in enumerate(attempts):
@@ -644,6 +642,13 @@ class Tracing:
 _EMPTY_STATE = TraceState()
 _RETRIED = Status(StatusCode.ERROR, "failed before the first byte; retried")
 _LINK_TRACE, _LINK_SPAN = "m3gate.link.trace_id", "m3gate.link.span_id"
+def _migration_events(migrations: tuple[tuple[float, int, str], ...], offset: int) -> list[Event]:
+    """One `m3gate.migration` event per resumption: the generated tokens kept at the cut and the new endpoint."""
+    return [_Event("m3gate.migration", offset + int(at * 1e9), {"m3gate.migration.tokens": tokens,
+                                                                "m3gate.endpoint": endpoint})
+            for at, tokens, endpoint in migrations]
+
+
 SERVER_KEYS = (  # the server span's attributes, in the order of Tracing.snapshot's values
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.stream", "http.request.method", "url.path",
     "http.response.status_code", "m3gate.api", "m3gate.thinking_mode", "m3gate.attempts", "gen_ai.request.max_tokens",
