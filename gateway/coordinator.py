@@ -27,6 +27,7 @@ from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.disagg import Disaggregation
 from gateway.errors import UpstreamFailure, rejected_response
 from gateway.learning import Learning
+from gateway.migration import Resumer, StallWatch
 from gateway.record import RequestRecord
 from gateway.relay import StreamRelay, upstream_payload
 from gateway.runtime import Gateway
@@ -35,6 +36,7 @@ from policies.admission import RetryLater
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.estimates import overlength_tokens
+from policies.migration import refusal
 from policies.pool_choice import (
     PoolChoice,
     after_overlength,
@@ -61,6 +63,7 @@ class Coordinator:
         self.learning = Learning(gateway)  # what answers teach the estimates (gateway/learning.py)
         self.upstream = Upstream(gateway, self.learning, self.finished)  # one upstream call (gateway/upstream.py)
         self.disagg = Disaggregation(gateway, self.upstream)  # the P/D path of disaggregated pools
+        self.stalls = StallWatch(gateway.clock)  # resumable streams gone silent (gateway/migration.py)
 
     async def serve(self, request: Request, api: str) -> Any:
         """Every outcome is a response: the answer, or an error in OpenAI's shape."""
@@ -96,8 +99,13 @@ class Coordinator:
             record.t_routed = gw.clock()
             admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
             routing = self.with_slos(request, record, routing)
-            payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority)
-            return await self.forward(request, record, admitted.choice, profile, routing, payload, strip_usage)
+            refused = refusal(body, api) if profile.stream and gw.config.routing.migration.enabled else None
+            payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority,
+                                                    token_ids=profile.stream and refused is None)
+            resumer = self.resumer(record, body, api, payload, strip_usage, admitted.choice, routing, refused) \
+                if profile.stream and gw.config.routing.migration.enabled and api in ("chat", "completions") else None
+            return await self.forward(request, record, admitted.choice, profile, routing, payload, strip_usage,
+                                      resumer)
         except RequestRejected as exc:
             record.status, record.error = exc.status, exc.code or exc.type
             await self.finished(record)
@@ -259,8 +267,10 @@ class Coordinator:
         routing: RoutingRequest,
         payload: bytes,
         strip_usage: bool,
+        resumer: Resumer | None = None,
     ) -> Response | StreamRelay:
-        """Send to the chosen replica; before the first byte, a failure is retried once on the next target."""
+        """Send to the chosen replica; before the first byte, a failure is retried once on the next target; after
+        it, `resumer` resumes the stream on another replica."""
         gw = self.gw
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)
@@ -273,7 +283,7 @@ class Coordinator:
         if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
             raise _shed(record, targets[0])
         # one disconnect watcher for the whole request, not a task per await
-        attempt = Attempt(request, record, profile, strip_usage, gw.watches.watch(request.receive))
+        attempt = Attempt(request, record, profile, strip_usage, gw.watches.watch(request.receive), resumer=resumer)
         try:
             if self.disagg.handles(choice):  # prefill here, decode there; or None: straight to a decode replica
                 direct = targets[0].matched_blocks if targets[0].pool.name == choice.pool.name else 0
@@ -345,6 +355,39 @@ class Coordinator:
         if larger is None:
             return None
         return self.choose_replicas(larger, replace(routing, prompt_tokens=max(counted, routing.prompt_tokens))) or None
+
+    # a stream broken after its first byte ---------------------------------------------------------------------
+    def resumer(self, record: RequestRecord, body: dict[str, Any], api: str, payload: bytes, strip_usage: bool,
+                choice: PoolChoice, routing: RoutingRequest, refused: str | None) -> Resumer:
+        """How this request's stream is resumed on another replica if its replica fails after the first byte
+        (gateway/migration.py), or counted refused when it cannot be (`refused`: why)."""
+        cfg = self.gw.config.routing.migration
+        return Resumer(self.gw, record, body, api, payload, include_usage=not strip_usage,
+                       choose=lambda failed: self.resume_targets(choice, routing, failed),
+                       stall_timeout_s=cfg.stall_timeout_s, max_migrations=cfg.max_migrations, watch=self.stalls,
+                       refused=refused)
+
+    def resume_targets(self, choice: PoolChoice, routing: RoutingRequest, exclude: set[str]) -> list[Target]:
+        """Where a broken stream may go on: the pool's own choice first, then any other available replica of the
+        pool, then the larger pools', never a replica in `exclude` (those that failed it) nor a prefill replica."""
+        gw = self.gw
+        now = gw.clock()
+        out: list[Target] = []
+        for pool_cfg in choice.candidates:
+            pool = gw.pools.get(pool_cfg.name)
+            if pool is None:
+                continue
+            try:
+                decision = gw.policies[pool.name].choose(routing, pool.snapshots(now, gw.shared), now)
+                urls = [decision.replica, *decision.fallbacks, *pool.replicas]
+            except NoReplicaAvailable:
+                decision, urls = None, list(pool.replicas)
+            for url in dict.fromkeys(urls):
+                replica = pool.replicas.get(url)
+                if replica is not None and url not in exclude and replica.is_available(now) \
+                        and replica.role != "prefill":
+                    out.append(Target(pool, replica, "migration", 0, decision))
+        return out
 
     # 6. finished -------------------------------------------------------------------------------------------
     async def finished(self, record: RequestRecord) -> None:

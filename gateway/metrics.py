@@ -345,6 +345,10 @@ class RequestMetrics:
             "time).", ("class",), SESSION_BUCKETS)
         self.session_turns = histogram("m3gate_session_turns", "Ended sessions: their turns.", ("class",),
                                        TURN_BUCKETS)
+        self.migrations = counter(
+            "m3gate_stream_migrations", "Streams whose replica failed after the first byte, by outcome: resumed (on "
+            "another replica; once per resumption), failed (no replica could resume it), refused (not resumable: "
+            "structured output, n > 1, echo, ...; ended with the SSE error event).", ("pool", "outcome"))
         self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
         self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
         self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time

@@ -69,14 +69,18 @@ def waterfall(record: RequestRecord, now: float, wall_now: float) -> dict[str, A
         else:
             stage("engine queue + prefill", record.t_sent, first)
     if record.stream and record.t_first_byte and record.t_last_byte:
-        stage("decode", record.t_first_byte, record.t_last_byte)
+        if record.t_cut:  # its replica failed mid-stream: the seam, then the resumed part (gateway/migration.py)
+            stage("decode", record.t_first_byte, record.t_cut)
+            stage("resumed decode", record.t_cut, record.t_last_byte)
+        else:
+            stage("decode", record.t_first_byte, record.t_last_byte)
     prompt, output, _ = usage_counts(record.usage)
     return {
         "at": round(wall_now - (now - t0), 3),
         "api": record.api, "stream": record.stream, "pool": record.pool or record.first_pool,
         "replica": record.replica, "class": record.traffic_class, "thinking_mode": record.thinking_mode,
         "status": 499 if record.client_disconnected else record.status, "error": record.error,
-        "retried": record.retried, "reason": record.reason,
+        "retried": record.retried, "reason": record.reason, "migrations": record.migrations,
         "prompt_tokens": prompt if record.usage else record.prompt_tokens_est,
         "output_tokens": output if record.usage else None,
         "total_ms": round((end - t0) * 1000, 3), "stages": stages,

@@ -46,13 +46,15 @@ _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in NOT_FORWARDED)
 
 
 def upstream_payload(
-    body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool, priority: int | None = None
+    body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool, priority: int | None = None,
+    token_ids: bool = False,
 ) -> tuple[bytes, bool]:
     """The body sent to the replica: unchanged bytes unless routing needs a change. Returns (payload, strip_usage).
 
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
     gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
-    class's, for pools whose vLLM schedules by priority (it replaces any the client sent).
+    class's, for pools whose vLLM schedules by priority (it replaces any the client sent). `token_ids`: a resumable
+    stream asks for `return_token_ids` (gateway/migration.py strips them from what the client gets).
 
     Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
     again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
@@ -77,6 +79,8 @@ def upstream_payload(
         if not (isinstance(options, dict) and options.get("include_usage") is True):
             put("stream_options", {**(options if isinstance(options, dict) else {}), "include_usage": True})
             strip_usage = True
+        if token_ids:
+            put("return_token_ids", True)
     if changed:
         return orjson.dumps(body), strip_usage
     if added:
@@ -121,10 +125,11 @@ class SseFilter:
     `event: ...\\ndata: ...\\n\\n` framing alike.
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage", "saw_done", "events")
+    __slots__ = ("_buf", "strip_usage", "usage", "saw_done", "events", "failure")
 
     def __init__(self, strip_usage: bool) -> None:
         self._buf = b""
+        self.failure: str | None = None  # the replica ended the answer itself (gateway/migration.py's IdFilter)
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
         self.saw_done = False
@@ -233,6 +238,8 @@ class StreamRelay:
         strip_usage: bool,
         on_done: Callable[[RequestRecord], Awaitable[None] | None],
         first_chunk: bytes = b"",
+        filt: SseFilter | None = None,
+        resume: Callable[[Send, Any, str], Awaitable[None]] | None = None,
     ) -> None:
         assert held.response is not None
         self.held = held
@@ -240,7 +247,9 @@ class StreamRelay:
         self.status = status
         self.headers = headers
         self.record = record
-        self.filter = SseFilter(strip_usage)
+        self.filter = filt if filt is not None else SseFilter(strip_usage)
+        # a chat/completions stream broken after its first byte: resumed elsewhere, or ended (gateway/migration.py)
+        self.resume = resume
         self.on_done = on_done
         self.first_chunk = first_chunk
 
@@ -307,17 +316,23 @@ class StreamRelay:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             tail = filt.remainder()
-            if record.api in ("chat", "completions") and not filt.saw_done:
+            if record.api in ("chat", "completions") and (filt.failure is not None or not filt.saw_done):
                 record.error = "upstream stream ended without [DONE]"
+                if self.resume is not None:
+                    await self.resume(send, filt, filt.failure or "closed")
+                    return
                 tail += stream_error_event(record.api, "the replica closed the stream before it finished; retry")
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             record.error = f"upstream failed mid-stream: {type(exc).__name__}"
+            if self.resume is not None and record.api in ("chat", "completions"):
+                await self.resume(send, filt, filt.failure or type(exc).__name__)
+                return
             tail = filt.remainder() + stream_error_event(record.api, "the replica failed mid-stream; retry the request")
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             record.t_last_byte = time.monotonic()
-            record.usage = filt.usage
+            record.usage = record.usage or filt.usage
             if counts is not None and record.t_first_byte:
                 counts[-1] += last - record.t_first_byte
 

@@ -486,7 +486,7 @@ class Tracing:
     # span tree -------------------------------------------------------------------------------------------------
     def snapshot(self, record: RequestRecord, ids: TraceIds, now: float) -> tuple[Any, ...]:
         """What the spans need, read now (the record is the gateway's), as one flat tuple of numbers, strings and
-        None, which the garbage collector stops tracking at its first pass (see SpanBatcher): 20 fields, then the
+        None, which the garbage collector stops tracking at its first pass (see SpanBatcher): 21 fields, then the
         server span's attribute values in SERVER_KEYS' order (None: absent), then 5 fields per attempt."""
         usage = record.usage
         input_tokens = output_tokens = cached = None
@@ -512,7 +512,7 @@ class Tracing:
             record.t_last_byte or now, arrival, admitted if admitted - routed >= QUEUED_S else 0.0, record.t_sent,
             record.t_headers, first if streamed else 0.0, status, status if status and not gone else 0, attempt_error,
             (err or str(status)) if status >= 500 or err in _BAD_ERRORS else None, path, input_tokens, output_tokens,
-            cached,
+            cached, tuple(record.migration_events) if record.migration_events else None,
             # the server span's attribute values, in SERVER_KEYS' order
             OPERATION.get(api, api), self._model(), record.stream, "POST", path, 499 if gone else status, api,
             record.thinking_mode, record.attempts, record.max_tokens, input_tokens, output_tokens, cached,
@@ -544,7 +544,7 @@ class Tracing:
         events."""
         (trace_id, server_id, state_header, offset, caller, caller_flags, end, arrival, waited, sent, headers_at,
          first, status_code, response_code, attempt_error, server_error, path, input_tokens, output_tokens,
-         cached) = snapshot[:_FIXED]
+         cached, migrations) = snapshot[:_FIXED]
         values = snapshot[_FIXED:_ATTEMPTS]
         fields = iter(snapshot[_ATTEMPTS:])
         attempts = list(zip(fields, fields, fields, fields, fields))  # (span id, start, pool, endpoint, P/D role)
@@ -556,8 +556,9 @@ class Tracing:
         end_ns = offset + int(end * 1e9)
         out: list[ReadableSpan] = []
         events: list[Event] | tuple[()] = ()
-        if waited:  # the admission queue held it (for a millisecond or more)
-            events = [_Event("m3gate.admitted", offset + int(waited * 1e9))]
+        if waited or migrations:  # the admission queue held it (a millisecond or more); resumed mid-stream
+            events = [*([_Event("m3gate.admitted", offset + int(waited * 1e9))] if waited else ()),
+                      *_migration_events(migrations or (), offset)]
         name = "POST " + path
         last = len(attempts) - 1
         for i, (span_id, started, pool, endpoint, role) in enumerate(attempts):
@@ -641,6 +642,13 @@ class Tracing:
 _EMPTY_STATE = TraceState()
 _RETRIED = Status(StatusCode.ERROR, "failed before the first byte; retried")
 _LINK_TRACE, _LINK_SPAN = "m3gate.link.trace_id", "m3gate.link.span_id"
+def _migration_events(migrations: tuple[tuple[float, int, str], ...], offset: int) -> list[Event]:
+    """One `m3gate.migration` event per resumption: the generated tokens kept at the cut and the new endpoint."""
+    return [_Event("m3gate.migration", offset + int(at * 1e9), {"m3gate.migration.tokens": tokens,
+                                                                "m3gate.endpoint": endpoint})
+            for at, tokens, endpoint in migrations]
+
+
 SERVER_KEYS = (  # the server span's attributes, in the order of Tracing.snapshot's values
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.request.stream", "http.request.method", "url.path",
     "http.response.status_code", "m3gate.api", "m3gate.thinking_mode", "m3gate.attempts", "gen_ai.request.max_tokens",
@@ -656,7 +664,7 @@ SERVER_KEYS = (  # the server span's attributes, in the order of Tracing.snapsho
     "m3gate.cache_path", "m3gate.tool_turnaround_ms", "m3gate.user_think_ms",
     _LINK_TRACE, _LINK_SPAN,  # not attributes: the previous turn's server span, linked
 )
-_FIXED = 20  # Tracing.snapshot's fixed fields, before the server attribute values
+_FIXED = 21  # Tracing.snapshot's fixed fields, before the server attribute values
 _ATTEMPTS = _FIXED + len(SERVER_KEYS)  # where the attempts' fields start
 QUEUED_S = 0.001  # an admission step this long or longer waited in the queue: the span gets an event
 _BAD_ERRORS = frozenset({"stream_incomplete", "stream_broken", "other"})
@@ -789,6 +797,17 @@ class Telemetry:
                 self._close(owner)
         except Exception:  # noqa: BLE001 - telemetry must never fail a request
             log.exception("telemetry failed for a %s request", record.api)
+
+    def migration(self, record: RequestRecord, outcome: str, tokens: int, endpoint: str) -> None:
+        """A stream's replica failed after its first byte: `outcome` resumed (on `endpoint`, from `tokens` generated
+        tokens), failed or refused. The span gets an `m3gate.migration` event per resumption."""
+        if outcome == "resumed":
+            record.migrations += 1
+            if record.migration_events is None:
+                record.migration_events = []
+            record.migration_events.append((self._clock(), tokens, endpoint))
+        if self.metrics is not None:
+            self.metrics.requests.migrations.inc((record.pool or "none", outcome))
 
     def pd_decision(self, pool: str, path: str) -> None:
         """A disaggregated pool's decider chose `path` for a request."""

@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from gateway.errors import UpstreamFailure
 from gateway.learning import Learning
+from gateway.migration import Resumer
 from gateway.record import RequestRecord
 from gateway.relay import (
     RETRYABLE_STATUS,
@@ -125,6 +126,7 @@ class Attempt:
     watch: DisconnectWatch
     raw_headers: list[tuple[bytes, bytes]] = field(init=False)
     answered_5xx: list[Replica] = field(default_factory=list)
+    resumer: Resumer | None = None  # a stream broken after its first byte: how it is resumed (gateway/migration.py)
 
     def __post_init__(self) -> None:
         self.raw_headers = self.request.scope["headers"]
@@ -202,8 +204,11 @@ class Upstream:
         if reply.data:
             self.learning.first_token(record, target.decision, replica)
         attempt.watch.stop()  # the StreamRelay watches for the disconnect from here on
+        filt, resume = attempt.resumer.parts(held, replica, attempt.strip_usage) if attempt.resumer is not None \
+            else (None, None)
         return Streamed(StreamRelay(held, reply.status, response_headers(reply.headers, extra), record,
-                                    attempt.strip_usage, self.finished, first_chunk=reply.data))
+                                    attempt.strip_usage, self.finished, first_chunk=reply.data, filt=filt,
+                                    resume=resume))
 
     def _headers(self, attempt: Attempt, target: Target, number: int,
                  retried: bool) -> tuple[dict[str, str], dict[str, str]]:

@@ -305,6 +305,28 @@ class ClassificationConfig(_Strict):
     )
 
 
+class MigrationConfig(_Strict):
+    """Stream migration: a stream whose replica fails after the first byte is resumed, token for token, on another
+    replica (docs/stream-migration.md)."""
+
+    enabled: bool = Field(
+        default=True, description="Resume chat and completions streams whose replica fails mid-stream on another "
+        "replica of the pool (else the next larger pool). Resumable streams ask their replica for return_token_ids "
+        "(stripped before the client sees them). false: such a stream ends with an SSE error event, as before.",
+    )
+    max_migrations: int = Field(
+        default=3, ge=1, le=20, description="Resumptions per stream before it ends with the SSE error event.",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="A stream that has sent nothing for this long after its first byte "
+        "is given up on and resumed elsewhere: a vLLM draining past its --shutdown-timeout leaves the connection "
+        "open and sends nothing. 60 s is far above any gap between tokens of a healthy replica (a decode step is "
+        "tens of ms; a preempted request recomputing a long context takes seconds) while losing at most a minute "
+        "when a replica hangs. A stream on a replica that is ejected or reported unhealthy is given up on after 1 s "
+        "of silence.",
+    )
+
+
 class RoutingConfig(_Strict):
     policy: RoutingPolicyName = Field(
         default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
@@ -321,6 +343,7 @@ class RoutingConfig(_Strict):
         "predicted (calibrated P90) to miss it yields to one that meets it, in the pool or a larger one; a sheddable "
         "class gets a 429 when none can.",
     )
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
 
 
 class ServerConfig(_Strict):

@@ -283,7 +283,8 @@ const STAGE_TIPS = {
   "engine queue + prefill": "at the replica until the first token: its queue and the prompt's prefill",
   "engine queue": "in the replica's queue (from its engine spans)",
   "prefill": "the prompt's prefill at the replica (from its engine spans)",
-  "decode": "the first token to the last",
+  "decode": "the first token to the last (or to the replica's failure, when the stream was resumed elsewhere)",
+  "resumed decode": "after its replica failed mid-stream: resumed on another replica, to the last token",
 };
 
 function renderRecent(recent) {

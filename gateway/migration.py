@@ -1,0 +1,492 @@
+"""Stream migration: a stream whose replica fails after the first byte goes on, token for token, on another replica.
+
+Three parts (the mechanism and its reasons: docs/stream-migration.md):
+
+- `IdFilter`, on every resumable stream's relay: the replica was asked for `return_token_ids`; the filter keeps
+  the generated ids (array('I'), 4 bytes a token), turns the ids back into the `null` the client would have got
+  (byte slicing, no JSON parsing; a 1M-token prompt's ~7 MB of `prompt_token_ids` is sliced out unread), drops the
+  chunks vLLM sends only because ids were asked for (held-back tokens, empty delta), and notices a replica-side
+  end: `finish_reason: "abort"` or an error event. Its cost is a few byte searches per event.
+- `StallWatch`: one ticker for all live streams; a stream silent longer than the stall timeout (or silent while its
+  replica is ejected or unhealthy) is closed, which turns it into a failure the relay then migrates.
+- `Resumer.run`: on a failure, picks another replica (the coordinator's choice, the failed ones excluded), resumes
+  through `/v1/completions` with the prompt's ids (POST /tokenize there) plus the committed generated ids, and
+  relays the continuation as the same stream: chat's raw text goes through `policies.m3_stream` back into deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.types import Send
+
+from gateway.record import RequestRecord
+from gateway.relay import Held, SseFilter, stream_error_event
+from gateway.runtime import Gateway
+from policies.m3_stream import M3StreamParser, ParserState, initial_state
+from policies.migration import Mark, chat_cut, chat_finish_reason, nothing_left, resume_body
+from policies.vllm_wire import tokenize_body
+from pools.replicas import PoolRuntime, Replica
+
+_IDS, _PROMPT_IDS = b'"token_ids":[', b'"prompt_token_ids":['
+RECENT_CHUNKS = 16  # a chat stream's last chunks the client saw, kept to find the cut (text, tool calls)
+EJECTED_SILENCE_S = 1.0  # a stream this silent on an ejected or unhealthy replica is given up on
+
+
+class IdFilter(SseFilter):
+    """SseFilter for a resumable chat/completions stream asked for `return_token_ids` (see the module's docstring).
+
+    `recent`: (ids before, ids after, event) of the last chunks the client saw in full (chat); `failure`: why the
+    replica's stream cannot go on though it may still send bytes ("abort", "error")."""
+
+    __slots__ = ("ids", "chat", "recent", "head", "failure", "finished", "_prompt_seen")
+
+    def __init__(self, strip_usage: bool, chat: bool) -> None:
+        super().__init__(strip_usage)
+        self.ids = array("I")
+        self.chat = chat
+        self.recent: deque[tuple[int, int, bytes]] = deque(maxlen=RECENT_CHUNKS)
+        self.head = b""  # the first event (its id, created, model are the stream's)
+        self.failure: str | None = None
+        self.finished = False  # the answer's finish_reason came
+        self._prompt_seen = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._buf + chunk if self._buf else chunk
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = buf
+            return b""
+        complete, self._buf = buf[: cut + 2], buf[cut + 2:]
+        if self.failure is not None:
+            return b""
+        if complete.find(b"\n\n") == cut:  # one event: the usual chunk
+            return self._event(complete[:-2])
+        return b"".join(self._event(event) for event in complete.split(b"\n\n")[:-1])
+
+    def _event(self, event: bytes) -> bytes:
+        self.events += 1
+        if self.failure is not None:
+            return b""
+        i = event.find(_IDS)
+        if i < 0:
+            return self._other(event)
+        j = event.find(b"]", i + 13)
+        before = len(self.ids)
+        if j > i + 13:
+            self.ids.extend(map(int, event[i + 13:j].split(b",")))
+        event = event[: i + 12] + b"null" + event[j + 1:]
+        if not self._prompt_seen:  # completions: the first chunk of the choice carries the prompt's ids
+            event = self._strip_prompt(event)
+            self.head = self.head or event
+        if b'"finish_reason":null' not in event:
+            if b'"finish_reason":"abort"' in event:  # the replica stopped it (shutdown): not the client's answer
+                self.failure = "abort"
+                return b""
+            self.finished = True
+        elif self.chat:
+            if b'"delta":{}' in event:  # held back by the parser: sent only because ids were asked for
+                return b""
+            self.recent.append((before, len(self.ids), event))
+        return event + b"\n\n"
+
+    def _other(self, event: bytes) -> bytes:
+        """An event without ids: [DONE], chat's role chunk (the prompt's ids), the usage chunk, an error."""
+        if event.endswith(b"[DONE]"):
+            self.saw_done = True
+            return event + b"\n\n"
+        if not self._prompt_seen and _PROMPT_IDS in event:
+            event = self._strip_prompt(event)
+        if not self.head:
+            self.head = event
+        if b'"usage"' in event and self._take_usage(event) and self.strip_usage:
+            return b""
+        if event.startswith(b'data: {"error"') or b'"object":"error"' in event:
+            self.failure = "error"
+            return b""
+        return event + b"\n\n"
+
+    def _strip_prompt(self, event: bytes) -> bytes:
+        i = event.find(_PROMPT_IDS)
+        if i < 0:
+            return event
+        self._prompt_seen = True
+        j = event.find(b"]", i + 20)
+        return event[: i + 19] + b"null" + event[j + 1:]
+
+    def marks(self) -> list[Mark]:
+        """The recent chunks as parsed marks (at a cut only)."""
+        out = []
+        for before, after, event in self.recent:
+            obj = _json(event)
+            choices = obj.get("choices") if obj else None
+            if choices:
+                out.append(Mark(before, after, choices[0].get("delta") or {}))
+        return out
+
+
+def _json(event: bytes) -> dict[str, Any] | None:
+    at = event.find(b"data:")
+    try:
+        obj = orjson.loads(event[at + 5:]) if at >= 0 else None
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class StallWatch:
+    """One ticker over every live resumable stream (none while there is none): closes a stream that has been silent
+    longer than its stall timeout, or for EJECTED_SILENCE_S while its replica is ejected or unhealthy. A draining
+    vLLM past its --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._live: dict[int, list[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, filt: IdFilter, held: Held, replica: Replica, timeout: float) -> int:
+        key = id(held)
+        self._live[key] = [filt, held, replica, timeout, filt.events, self.clock()]
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._tick())
+        return key
+
+    def remove(self, key: int) -> None:
+        self._live.pop(key, None)
+
+    async def _tick(self) -> None:
+        try:
+            while self._live:
+                await asyncio.sleep(0.25)
+                now = self.clock()
+                for key, entry in list(self._live.items()):
+                    if entry[1].response is None:  # the stream ended (its Held was released)
+                        del self._live[key]
+                    else:
+                        self._check(entry, now)
+        finally:
+            self._task = None
+
+    def _check(self, entry: list[Any], now: float) -> None:
+        filt, held, replica, timeout, seen, since = entry
+        if filt.events != seen:
+            entry[4], entry[5] = filt.events, now
+            return
+        silent = now - since
+        if silent > timeout or (silent > EJECTED_SILENCE_S and (not replica.healthy or now < replica.ejected_until)):
+            filt.failure = filt.failure or "stall"
+            if held.response is not None:
+                held.response.close()  # the relay's read ends: a failure it migrates
+
+
+@dataclass(slots=True)
+class Leg:
+    """One continuation on one replica: its open stream and what it holds."""
+
+    pool: PoolRuntime
+    replica: Replica
+    held: Held
+    kind: str  # "completions": token-id continuation; "chat": the original request again (nothing committed)
+
+
+@dataclass
+class Resumer:
+    """What resuming one stream needs; `run` is called by its relay on a failure after the first byte."""
+
+    gw: Gateway
+    record: RequestRecord
+    body: dict[str, Any]
+    api: str
+    payload: bytes  # the request as first sent (a chat stream with nothing committed is sent again as it was)
+    include_usage: bool  # the client asked for the usage chunk
+    choose: Callable[[set[str]], list[Any]]  # the coordinator's targets for this request, these replicas excluded
+    stall_timeout_s: float
+    max_migrations: int
+    watch: StallWatch
+    generated: array = field(default_factory=lambda: array("I"))
+    done: int = 0  # generated ids the client has seen the effect of (the next cut's context)
+    state: ParserState = field(default_factory=ParserState)
+    tools_called: bool = False
+    prompt_ids: list[int] | None = None
+    head: dict[str, Any] = field(default_factory=dict)  # the stream's id, created, model
+    finish: str | None = None
+    _announced: int = 0  # tool calls the client has seen announced that a continuation announces again
+    refused: str | None = None  # why this stream cannot be resumed (policies.migration.refusal), if it cannot
+
+    def parts(self, held: Held, replica: Replica, strip_usage: bool) -> tuple[SseFilter | None, Any]:
+        """The first leg's filter and the relay's resume hook: the id-keeping filter, watched for stalls, when the
+        stream can be resumed; else the plain filter and a hook that counts it refused and ends it."""
+        if self.refused is not None:
+            return None, self._refuse
+        filt = IdFilter(strip_usage, chat=self.api == "chat")
+        self.watch.add(filt, held, replica, self.stall_timeout_s)
+        return filt, self.run
+
+    async def _refuse(self, send: Send, filt: SseFilter, failure: str) -> None:
+        self.gw.telemetry.migration(self.record, "refused", 0, "")
+        self.record.error = f"upstream failed mid-stream: {self.reason_text(failure)}; not resumable ({self.refused})"
+        tail = filt.remainder() + stream_error_event(self.api, "the replica failed mid-stream; retry the request")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def reason_text(self, failure: str) -> str:
+        return {"abort": "the replica aborted the stream", "error": "the replica sent an error mid-stream",
+                "stall": "the replica went silent"}.get(failure, failure)
+
+    # the cut ------------------------------------------------------------------------------------------------------
+    def start_from(self, filt: IdFilter) -> None:
+        """The first leg's ids, head and cut: chat resumes at `chat_cut`, completions after every id relayed."""
+        self.generated = filt.ids
+        head = _json(filt.head) or {}
+        self.head = {k: head[k] for k in ("id", "created", "model") if k in head}
+        if self.api == "chat":
+            cut = chat_cut(filt.marks(), self.thinking_mode, self.greedy)
+            self.done, self.state = cut.done, cut.state
+            self.tools_called = cut.state.tools_called or any(b'"tool_calls"' in e for _, _, e in filt.recent)
+        else:
+            self.done = len(filt.ids)
+
+    @property
+    def thinking_mode(self) -> Any:
+        kwargs = self.body.get("chat_template_kwargs")
+        return kwargs.get("thinking_mode") if isinstance(kwargs, dict) else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.body.get("temperature") == 0
+
+    # the migration loop -------------------------------------------------------------------------------------------
+    async def run(self, send: Send, filt: IdFilter, failure: str) -> None:
+        """The stream's replica failed after the first byte (`failure` says how): resume it elsewhere, up to
+        max_migrations times, or end it with the SSE error event. Writes the stream's end either way."""
+        record = self.record
+        record.t_cut = record.t_cut or self.gw.clock()
+        failed = {record.replica}
+        self.start_from(filt)
+        for _ in range(self.max_migrations):
+            if nothing_left(self.body, self.api, self.done):  # died after its last token: the end is ours to write
+                self.finish = "length"
+                self.gw.telemetry.migration(record, "resumed", self.done, "")
+                del self.generated[self.done:]
+                await send({"type": "http.response.body", "body": self._ending(final=True), "more_body": False})
+                return
+            leg = await self._open(failed)
+            if leg is None:
+                break
+            self.gw.telemetry.migration(record, "resumed", self.done, leg.replica.url)
+            try:
+                ok = await self._relay(leg, send)
+            finally:
+                leg.held.close(abort=True)
+            if ok:
+                record.error = None
+                return
+            failed.add(leg.replica.url)
+        self.gw.telemetry.migration(record, "failed", self.done, "")
+        record.error = f"upstream failed mid-stream: {self.reason_text(failure)}; not resumed"
+        tail = stream_error_event(self.api, "the replica failed mid-stream and no other replica could resume it; "
+                                            "retry the request")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _blame(self, pool_name: str, url: str) -> None:
+        """A replica that broke a stream counts it as a failure (three in a row eject it), resumed or not."""
+        pool = self.gw.pools.get(pool_name)
+        replica = pool.replicas.get(url) if pool is not None else None
+        if replica is not None:
+            replica.record_failure(self.gw.clock(), answered=True)
+
+    async def _open(self, failed: set[str]) -> Leg | None:
+        """The continuation's stream, open on the first target that takes it; None when none does."""
+        gw = self.gw
+        for target in self.choose(failed)[:3]:
+            pool, replica = target.pool, target.replica
+            kind = "chat" if self.api == "chat" and self.done == 0 else "completions"
+            held = Held(replica.guard(len(self.prompt_ids or ()) + self.done + 1))
+            try:
+                payload = self.payload if kind == "chat" else orjson.dumps(await self._resume_body(pool, replica))
+                headers = {"content-type": "application/json", **pool.probe_headers()}
+                path = self.record.path if kind == "chat" else "/v1/completions"
+                assert gw.session is not None
+                held.response = await gw.session.post(replica.url + path, data=payload, headers=headers)
+                if held.response.status == 200 and held.response.headers.get(
+                        "content-type", "").startswith("text/event-stream"):
+                    self._blame(self.record.pool, self.record.replica)  # the last one is judged when it ends
+                    self.record.pool, self.record.replica = pool.name, replica.url
+                    return Leg(pool, replica, held, kind)
+            except (aiohttp.ClientError, OSError, _NoPrompt):
+                pass
+            held.close(abort=True)
+            failed.add(replica.url)
+            replica.record_failure(gw.clock())
+        return None
+
+    async def _resume_body(self, pool: PoolRuntime, replica: Replica) -> dict[str, Any]:
+        """The prompt's ids from the target itself (same tokenizer and template as the first replica), then the
+        continuation's body."""
+        prompt = self.body.get("prompt")
+        if self.api == "completions" and isinstance(prompt, list):
+            self.prompt_ids = prompt
+        else:
+            query = tokenize_body(self.body, self.api, self.gw.config.model)
+            assert self.gw.session is not None
+            async with self.gw.session.post(replica.url + "/tokenize", data=orjson.dumps(query), headers={
+                    "content-type": "application/json", **pool.probe_headers()},
+                    timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                tokens = orjson.loads(await resp.read()).get("tokens") if resp.status == 200 else None
+            if not isinstance(tokens, list):
+                raise _NoPrompt
+            self.prompt_ids = tokens
+        context = [*self.prompt_ids, *self.generated[: self.done]]
+        return resume_body(self.body, self.api, self.gw.config.model, context, self.done)
+
+    # relaying a continuation ---------------------------------------------------------------------------------------
+    async def _relay(self, leg: Leg, send: Send) -> bool:
+        """Relays one continuation as the client's stream; True when the answer ended, False when this leg failed
+        too (the cut is kept up to date as it goes)."""
+        del self.generated[self.done:]  # ids the client never saw the effect of are generated again
+        parser = M3StreamParser(self.state, self.body.get("tools")) if self.api == "chat" else None
+        self._announced = self.state.announced
+        filt = IdFilter(False, False)  # only for the stall watch's progress count
+        key = self.watch.add(filt, leg.held, leg.replica, self.stall_timeout_s)
+        scanner = self.record.session.scanner if self.record.session is not None else None
+        buf = b""
+        try:
+            assert leg.held.response is not None
+            async for chunk in leg.held.response.content.iter_any():
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                events, buf = buf[:cut].split(b"\n\n"), buf[cut + 2:]
+                filt.events += len(events)
+                out = []
+                for event in events:
+                    obj = _json(event)
+                    if obj is None:
+                        continue
+                    piece = self._completions_event(obj) if parser is None else \
+                        self._chat_event(obj, parser) if leg.kind == "completions" else self._chat_again(obj)
+                    if piece is None:
+                        return False
+                    out.append(piece)
+                    if self.finish is not None:
+                        out.append(self._ending())
+                        return await self._send(send, b"".join(out), scanner, end=True)
+                if out:
+                    await self._send(send, b"".join(out), scanner)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+        finally:
+            self.watch.remove(key)
+        return False
+
+    async def _send(self, send: Send, body: bytes, scanner: Any, end: bool = False) -> bool:
+        if scanner is not None:
+            scanner.feed(body)
+        await send({"type": "http.response.body", "body": body, "more_body": not end})
+        return True
+
+    # each continuation event into the client's chunk: b"" (nothing to show), None (the leg failed) ---------------
+    def _chunk(self, obj: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({**obj, **self.head}) + b"\n\n"
+
+    def _completions_event(self, obj: dict[str, Any]) -> bytes | None:
+        """A completions client: the continuation's chunks as they are, under the stream's id, created, model."""
+        choices = obj.get("choices")
+        if not choices:
+            return b""  # the leg's usage: the stream's own is written at the end
+        choice = choices[0]
+        reason = choice.get("finish_reason")
+        if reason == "abort":
+            return None
+        self.generated.extend(choice.get("token_ids") or ())
+        self.done = len(self.generated)
+        choice["token_ids"] = None
+        if "prompt_token_ids" in choice:
+            choice["prompt_token_ids"] = None
+        self.finish = reason
+        return self._chunk(obj)
+
+    def _chat_event(self, obj: dict[str, Any], parser: M3StreamParser) -> bytes | None:
+        """A chat client, a token-id continuation: its raw text through the M3 parser into chat deltas."""
+        choices = obj.get("choices")
+        if not choices:
+            return b""
+        choice = choices[0]
+        reason = choice.get("finish_reason")
+        if reason == "abort":
+            return None
+        delta = parser.feed(choice.get("text") or "")
+        if reason is not None:
+            for key, value in parser.finish().items():
+                delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+        self.generated.extend(choice.get("token_ids") or ())
+        if parser.clean:
+            self.done, self.state = len(self.generated), parser.state
+        self.tools_called = self.tools_called or parser.state.tools_called
+        if reason is not None:
+            self.finish = chat_finish_reason(self.body, reason, self.tools_called)
+        elif not delta:
+            return b""
+        return self._chat_chunk(delta, self.finish)
+
+    def _chat_chunk(self, delta: dict[str, Any], reason: str | None) -> bytes:
+        return self._chunk({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+
+    def _chat_again(self, obj: dict[str, Any]) -> bytes | None:
+        """A chat client with nothing committed: the same chat request on another replica, its role chunk and the
+        tool calls the client already saw announced left out."""
+        if isinstance(obj.get("prompt_token_ids"), list):  # the role chunk: the prompt's ids, for the usage
+            self.prompt_ids = obj["prompt_token_ids"]
+        choices = obj.get("choices")
+        if not choices:
+            return b""
+        choice = choices[0]
+        reason, delta = choice.get("finish_reason"), choice.get("delta") or {}
+        if reason == "abort":
+            return None
+        self.generated.extend(choice.get("token_ids") or ())
+        choice["token_ids"] = None
+        delta.pop("role", None)
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            if function.get("name") and self._announced:
+                self._announced -= 1
+                call.pop("id", None), call.pop("type", None), function.pop("name", None)
+        self.tools_called = self.tools_called or bool(delta.get("tool_calls"))
+        if reason is not None:
+            self.finish = reason
+        elif not any(v for v in delta.values()):
+            return b""
+        if not delta.get("reasoning") and not delta.get("content") and delta.get("tool_calls") and any(
+                (c.get("function") or {}).get("arguments") is not None for c in delta["tool_calls"]):
+            self.done = len(self.generated)  # a whole tool call: a next cut keeps it
+        return self._chunk({**obj, "object": "chat.completion.chunk"})
+
+    def _ending(self, final: bool = False) -> bytes:
+        """The stream's end: the final chunk when no continuation wrote it (`final`), usage if asked, [DONE]."""
+        out = b""
+        if final:
+            out = self._chat_chunk({}, "length") if self.api == "chat" else self._chunk({
+                "object": "text_completion", "choices": [{"index": 0, "text": "", "logprobs": None,
+                                                          "finish_reason": "length"}]})
+        prompt = len(self.prompt_ids) if self.prompt_ids is not None else self.record.prompt_tokens_est
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(self.generated),
+                 "completion_tokens": len(self.generated)}
+        self.record.usage = usage
+        if self.include_usage:
+            kind = "chat.completion.chunk" if self.api == "chat" else "text_completion"
+            out += self._chunk({"object": kind, "choices": [], "usage": usage})
+        return out + b"data: [DONE]\n\n"
+
+
+class _NoPrompt(Exception):
+    """The target could not give the prompt's ids."""
