@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -83,7 +84,7 @@ def _cmd_contract(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from gateway.plan import ClassLoad, PlanError, plan, read_trace, to_markdown, trace_loads
+    from gateway.plan import ClassLoad, PlanError, learnt_costs, plan, read_trace, to_markdown, trace_loads
     from policies.capacity import EngineCosts
     from policies.config import ConfigError, load_config
 
@@ -109,7 +110,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     costs = EngineCosts(args.prefill_step_ms / 1000, args.prefill_ms_per_1k / 1000, args.decode_step_ms / 1000,
                         args.decode_ms_per_seq / 1000, args.decode_ms_per_seq_1k / 1000)
-    result = plan(config, loads, costs, source)
+    try:
+        learnt = learnt_costs(json.loads(Path(args.costs).read_text())) if args.costs else None
+    except (OSError, ValueError) as exc:  # PlanError and JSONDecodeError are ValueErrors
+        print(f"m3gate plan: {exc}", file=sys.stderr)
+        return 1
+    result = plan(config, loads, costs, source, learnt)
     print(json.dumps(result, indent=2) if args.json else to_markdown(result, args.workload or args.prometheus),
           end="\n" if args.json else "")
     return 0
@@ -258,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-ms-per-seq", type=float, default=0.2, help="decode step cost per sequence")
     p.add_argument("--decode-ms-per-seq-1k", type=float, default=0.02,
                    help="decode step cost per sequence per 1K tokens of context")
+    p.add_argument("--costs", metavar="FILE", help="the engine costs a running gateway learnt: a saved GET "
+                   "/admin/capacity answer (`curl .../admin/capacity > costs.json`); used per pool and role instead "
+                   "of the --*-ms options where it has them")
     p.set_defaults(func=_cmd_plan)
 
     try:

@@ -161,9 +161,30 @@ def trace_loads(config: GatewayConfig, requests: list[TraceRequest],
     return loads, source
 
 
+def learnt_costs(view: Any) -> dict[tuple[str, str], EngineCosts]:
+    """(pool, role) → the engine costs a running gateway learnt, from a saved `GET /admin/capacity` answer."""
+    if not isinstance(view, dict) or not isinstance(view.get("pools"), dict):
+        raise PlanError("--costs: not a saved GET /admin/capacity answer (no \"pools\" object)")
+    out: dict[tuple[str, str], EngineCosts] = {}
+    for pool, roles in view["pools"].items():
+        for role, entry in (roles.items() if isinstance(roles, dict) else ()):
+            costs = entry.get("costs") if isinstance(entry, dict) else None
+            if not isinstance(costs, dict):
+                continue
+            try:
+                out[(pool, role)] = EngineCosts(**{k: costs[k] for k in EngineCosts.__slots__ if k in costs})
+            except TypeError as exc:
+                raise PlanError(f"--costs: pool {pool!r} role {role!r}: {exc}") from exc
+    if not out:
+        raise PlanError("--costs: no pool in it carries learnt costs (was the gateway's first window over?)")
+    return out
+
+
 def plan(config: GatewayConfig, loads: dict[str, dict[str, ClassLoad]], costs: EngineCosts | None = None,
-         source: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Per pool and role: the replicas at the mean and at the peak demand, the bottleneck, the predictions."""
+         source: dict[str, Any] | None = None,
+         learnt: dict[tuple[str, str], EngineCosts] | None = None) -> dict[str, Any]:
+    """Per pool and role: the replicas at the mean and at the peak demand, the bottleneck, the predictions.
+    `learnt`: per (pool, role), the costs a gateway learnt (`--costs`), used instead of `costs` where present."""
     base = costs or EngineCosts()
     pools: dict[str, Any] = {}
     for pool in config.pools_by_size():
@@ -171,17 +192,21 @@ def plan(config: GatewayConfig, loads: dict[str, dict[str, ClassLoad]], costs: E
         mean = [_demand(config, name, load, load.rate_mean) for name, load in classes]
         peak = [_demand(config, name, load, load.rate_peak) for name, load in classes]
         kv = pool.kv_blocks * pool.block_size if pool.kv_blocks else None
-        pool_costs = EngineCosts(base.prefill_step_s, base.prefill_s_per_1k, base.decode_step_s,
-                                 base.decode_s_per_seq, base.decode_s_per_seq_1k, kv)
         roles = ("prefill", "decode") if pool.disaggregation is not None else ("both",)
         bounds = pool.capacity
         pools[pool.name] = {}
         for role in roles:
+            known = (learnt or {}).get((pool.name, role))
+            chosen = known or base
+            pool_costs = EngineCosts(chosen.prefill_step_s, chosen.prefill_s_per_1k, chosen.decode_step_s,
+                                     chosen.decode_s_per_seq, chosen.decode_s_per_seq_1k,
+                                     (known.kv_tokens if known is not None else None) or kv)
             at_mean, at_peak = size(role, mean, pool_costs), size(role, peak, pool_costs)
             n_mean = _bounded(at_mean.replicas, bounds.min_replicas, bounds.max_replicas)
             n_peak = _bounded(at_peak.replicas, bounds.min_replicas, bounds.max_replicas)
             pools[pool.name][role] = {
                 "replicas_mean": n_mean, "replicas_peak": n_peak,
+                "costs_source": "learnt" if known is not None else "given",
                 "bottleneck": at_peak.bottleneck,
                 "capped": at_peak.replicas > n_peak,  # max_replicas is below what the peak needs
                 "predicted_mean": _view(predict(role, mean, pool_costs, n_mean)),

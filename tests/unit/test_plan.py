@@ -176,3 +176,26 @@ def test_plan_wants_one_source(tmp_path: Path) -> None:
     config.write_text(CONFIG)
     assert main(["plan", str(config)]) == 2
     assert main(["plan", str(config), "--prometheus", "http://127.0.0.1:9", "--window", "5m"]) == 2  # unreachable
+
+
+def test_learnt_costs_from_a_saved_admin_capacity_answer_size_the_pools(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--costs FILE` (a saved GET /admin/capacity): a pool whose engine a gateway measured twice as slow as the
+    defaults needs more replicas; a pool the file does not name keeps the given costs; a bad file is named."""
+    trace = _trace(tmp_path / "t.jsonl", 10, 120)
+    given = _plan(tmp_path, trace, capsys)
+    slow = {"prefill_step_s": 0.04, "prefill_s_per_1k": 0.12, "decode_step_s": 0.04, "decode_s_per_seq": 4e-4,
+            "decode_s_per_seq_1k": 4e-5, "kv_tokens": None}
+    view = {"pools": {"interactive": {"both": {"current": 1, "desired": 2, "costs": slow}}}}
+    costs = tmp_path / "capacity.json"
+    costs.write_text(json.dumps(view))
+    learnt = _plan(tmp_path, trace, capsys, "--costs", str(costs))
+    a, b = given["pools"]["interactive"]["both"], learnt["pools"]["interactive"]["both"]
+    assert (a["costs_source"], b["costs_source"]) == ("given", "learnt")
+    assert b["replicas_peak"] > a["replicas_peak"]
+    assert learnt["pools"]["repository"]["prefill"]["costs_source"] == "given"
+    assert learnt["pools"]["repository"]["prefill"]["replicas_peak"] == given["pools"]["repository"]["prefill"]["replicas_peak"]
+    costs.write_text(json.dumps({"interval_s": 5}))
+    config = tmp_path / "pools.yaml"
+    assert main(["plan", str(config), "--workload", str(trace), "--costs", str(costs)]) == 1
+    assert "GET /admin/capacity" in capsys.readouterr().err
