@@ -32,8 +32,8 @@ docs: venv
 # Every tool a test runs is installed first; M3GATE_REQUIRE_TOOLS=1 makes a test whose tool is still missing FAIL
 # instead of skipping (tests/support/tools.py).
 test: venv docs redis vllm-env prometheus chromium haproxy
-	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd"
-	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=10 -m vllm_pd
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd and not vllm_own"
+	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=10 -m "vllm_pd or vllm_own"
 
 test-fast: venv redis prometheus chromium haproxy
 	M3GATE_REQUIRE_TOOLS=1 M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"

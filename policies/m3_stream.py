@@ -3,8 +3,9 @@
 A resumed chat stream continues through `/v1/completions` (token ids in, raw text out: no parser runs there), so the
 gateway splits the raw continuation itself, starting from the state the client's stream was in at the cut:
 
-- reasoning ends at `</mm:think>` (a `<mm:think>` inside reasoning is only the marker);
-- content turns into reasoning at `<mm:think>`, into tool calls at `]<]minimax[>[<tool_call>`;
+- reasoning ends at `</mm:think>`; only the answer's first `<mm:think>` is a marker, a later one is text (vLLM's
+  parser partitions the answer at the first one: the tiny test model repeats the marker inside its reasoning);
+- content turns into reasoning at the answer's first `<mm:think>`, into tool calls at `]<]minimax[>[<tool_call>`;
 - in the tool block each `]<]minimax[>[<invoke name="…">` announces a call (id, name), and its parameters are
   converted to JSON once `]<]minimax[>[</invoke>` closes it (vLLM's `stream_arg_deltas=False`), typed by the tool's
   schema as vLLM's `parser/minimax_m3.py` does; text after `]<]minimax[>[</tool_call>` is dropped.
@@ -42,6 +43,7 @@ class ParserState:
     suppress_content: int = 0
     announced: int = 0  # upcoming tool calls whose id and name the client already has
     tools_called: bool = False  # a tool call was announced (the chat finish_reason becomes "tool_calls")
+    think_seen: bool = False  # the answer's `<mm:think>` marker is behind: a later one is text
 
 
 def initial_state(thinking_mode: Any) -> ParserState:
@@ -90,7 +92,7 @@ class M3StreamParser:
         self._delta = {}
         s, buf = self.state, self.state.buffer
         if s.mode == "reasoning":
-            s = self._emit(s, "reasoning", buf.replace(THINK_START, ""))
+            s = self._emit(s, "reasoning", buf if s.think_seen else buf.replace(THINK_START, "", 1))
         elif s.mode == "content":
             s = self._emit(s, "content", buf)
         self.state = replace(s, buffer="")
@@ -98,23 +100,26 @@ class M3StreamParser:
 
     # modes: each takes (state, buffer) and returns (state, rest of the buffer, whether to go on) ----------------
     def _reasoning(self, s: ParserState, buf: str) -> tuple[ParserState, str, bool]:
-        end = buf.find(THINK_END)
+        start, end = -1 if s.think_seen else buf.find(THINK_START), buf.find(THINK_END)
+        if start >= 0 and (end < 0 or start < end):  # the answer's marker (thinking_mode "enabled" may repeat it)
+            s = self._emit(s, "reasoning", buf[:start])
+            return replace(s, think_seen=True), buf[start + len(THINK_START):], True
         if end >= 0:
-            s = self._emit(s, "reasoning", buf[:end].replace(THINK_START, ""))
+            s = self._emit(s, "reasoning", buf[:end])
             return replace(s, mode="content"), buf[end + len(THINK_END):], True
-        keep = _held(buf, (THINK_END, THINK_START))
-        s = self._emit(s, "reasoning", buf[:len(buf) - keep].replace(THINK_START, ""))
+        keep = _held(buf, (THINK_END,) if s.think_seen else (THINK_END, THINK_START))
+        s = self._emit(s, "reasoning", buf[:len(buf) - keep])
         return s, buf[len(buf) - keep:], False
 
     def _content(self, s: ParserState, buf: str) -> tuple[ParserState, str, bool]:
-        think, tool = buf.find(THINK_START), buf.find(TOOL_START)
+        think, tool = -1 if s.think_seen else buf.find(THINK_START), buf.find(TOOL_START)
         if think >= 0 and (tool < 0 or think < tool):
             s = self._emit(s, "content", buf[:think])
-            return replace(s, mode="reasoning"), buf[think + len(THINK_START):], True
+            return replace(s, mode="reasoning", think_seen=True), buf[think + len(THINK_START):], True
         if tool >= 0:
             s = self._emit(s, "content", buf[:tool])
             return replace(s, mode="tools"), buf[tool + len(TOOL_START):], True
-        keep = _held(buf, (THINK_START, TOOL_START))
+        keep = _held(buf, (TOOL_START,) if s.think_seen else (THINK_START, TOOL_START))
         s = self._emit(s, "content", buf[:len(buf) - keep])
         return s, buf[len(buf) - keep:], False
 

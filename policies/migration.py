@@ -8,7 +8,7 @@ parameters (docs/stream-migration.md). Only state that lives in the token ids ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from policies.m3_stream import ParserState, initial_state
@@ -112,20 +112,22 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
     otherwise the stream resumes after it, in the kind of text it showed. A tool call whose arguments the client
     has not seen is regenerated from its `<invoke>` on, its announcement not repeated. `marks`: the client's chunks
     since the last text chunk (or all), in order; `tool_index`: tool calls completed before them."""
-    done, state, announced = 0, initial_state(thinking_mode), 0
+    done, state, announced, seen = 0, initial_state(thinking_mode), 0, False
     for mark in marks:
         delta = mark.delta
         reasoning, content = delta.get("reasoning") or "", delta.get("content") or ""
         calls = delta.get("tool_calls") or []
         if reasoning or content:
             kind = "reasoning" if reasoning else "content"
+            seen = seen or bool(reasoning)  # reasoning shown: the answer's `<mm:think>` (if it wrote one) is behind
             if greedy:
                 done = mark.before
                 state = ParserState(mode=kind, suppress_reasoning=len(reasoning), suppress_content=len(content),
-                                    tool_index=tool_index)
+                                    tool_index=tool_index, think_seen=seen)
             else:
                 done = mark.after
-                state = ParserState(mode="content" if content else "reasoning", tool_index=tool_index)
+                state = ParserState(mode="content" if content else "reasoning", tool_index=tool_index,
+                                    think_seen=seen)
             announced = 0
         for call in calls:
             function = call.get("function") or {}
@@ -140,5 +142,4 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
 def _with_announced(state: ParserState, announced: int) -> ParserState:
     if not announced:
         return state
-    return ParserState(mode=state.mode, tool_index=state.tool_index, suppress_reasoning=state.suppress_reasoning,
-                       suppress_content=state.suppress_content, announced=announced, tools_called=True)
+    return replace(state, announced=announced, tools_called=True)

@@ -122,10 +122,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _needs_servers(item: pytest.Item) -> bool:
     """Asks for the fixture, or is marked `vllm` (parametrized backends reach the fixture only at run time). The
     `vllm_pd` tests start their own prefill/decode pair: booting the session's three servers beside it for nothing
-    put five vLLM servers on two cores and starved the pair (and a gateway started beside it)."""
+    put five vLLM servers on two cores and starved the pair (and a gateway started beside it). So do the `vllm_own`
+    tests, which start (and kill) their own servers."""
     return bool(_FIXTURES_NEEDING_SERVERS & set(getattr(item, "fixturenames", ()))) or (
         item.get_closest_marker("vllm") is not None and item.get_closest_marker("skip") is None
-        and item.get_closest_marker("vllm_pd") is None
+        and item.get_closest_marker("vllm_pd") is None and item.get_closest_marker("vllm_own") is None
     )
 
 

@@ -2,8 +2,9 @@
 steady streaming load through two gateways sharing a private Redis, with the targets as assertions.
 
 - no request fails before its first byte while another healthy replica exists (retries cover it);
-- no stream is ever cut silently: a stream that fails after its first byte ends with an SSE error event (parsed);
-- nothing fails at all when no stream was broken by the fault (hang, 5xx, unhealthy, Redis, reload);
+- no stream is ever cut silently (parsed);
+- no stream fails after its first byte, in any scenario: one whose replica is killed or drops it mid-way is resumed
+  on another replica (stream migration; the load is plain chat, which migrates);
 - the faulty replica is ejected and re-admitted, and the gateways stay up.
 """
 
@@ -41,9 +42,8 @@ def test_scenario_meets_its_targets(results: dict[str, ScenarioResult], name: st
     assert r.sent >= 50, why  # the load really ran through the fault
     assert r.failed_before_first_byte == 0, why
     assert r.silent_cuts == 0 and r.stalled == 0, why
-    if name not in ("kill", "drop"):  # only a killed replica or dropped connections may break started streams
-        assert r.failed_after_first_byte == 0, why
-    assert r.succeeded + r.failed_after_first_byte == r.sent, why
+    assert r.failed_after_first_byte == 0, why  # broken streams (kill, drop) are resumed, not failed
+    assert r.succeeded == r.sent, why
 
 
 @pytest.mark.parametrize("name", ["kill", "hang", "unhealthy", "reload", "redis"])
@@ -65,5 +65,6 @@ def test_repair_is_noticed(results: dict[str, ScenarioResult], name: str) -> Non
 
 
 def test_drop_scenario_really_broke_streams(results: dict[str, ScenarioResult]) -> None:
-    """The SSE error events were seen, i.e. the check for silent cuts had something to check."""
-    assert results["drop"].failed_after_first_byte > 0
+    """Streams were really broken mid-way and resumed (m3gate_stream_migrations_total{outcome="resumed"}), i.e. the
+    check that none failed after its first byte had something to check."""
+    assert results["drop"].migrated > 0, results["drop"]

@@ -45,6 +45,20 @@ def test_content_turns_into_reasoning_at_the_opening_marker() -> None:
     assert (out["reasoning"], out["content"]) == ("hmm", "Hithere")
 
 
+def test_only_the_answers_first_opening_marker_is_a_marker() -> None:
+    """As vLLM's M3 reasoning parser splits the answer (it partitions at the first `<mm:think>`): the tiny real test
+    model, thinking enabled, writes the marker again and again, and vLLM shows the repeats as reasoning text."""
+    text = "<mm:think>a<mm:think>b</mm:think>c<mm:think>d"
+    for step in (1, 4, len(text)):
+        out = run(text, initial_state("enabled"), step)
+        assert (out["reasoning"], out["content"]) == ("a<mm:think>b", "c<mm:think>d"), step
+
+
+def test_a_stream_resumed_inside_reasoning_keeps_later_markers_as_text() -> None:
+    out = run("<mm:think><mm:think></mm:think>x", ParserState(mode="reasoning", think_seen=True), 3)
+    assert (out["reasoning"], out["content"]) == ("<mm:think><mm:think>", "x")
+
+
 def test_a_tool_call_is_announced_then_its_arguments_typed_by_the_schema() -> None:
     out = run("Let me check." + CALL + "ignored trailing text", initial_state(None), 5)
     assert out["content"] == "Let me check."

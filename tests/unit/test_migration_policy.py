@@ -57,6 +57,15 @@ def test_a_tool_call_without_its_arguments_is_regenerated_from_before_it_not_ann
     assert done.done == 21 and done.state.mode == "tools" and done.state.tool_index == 1 and not done.state.announced
 
 
+def test_a_cut_after_reasoning_was_shown_treats_a_later_opening_marker_as_text() -> None:
+    """Reasoning shown means the answer's `<mm:think>` (if it wrote one) is behind: vLLM shows later ones as text."""
+    marks = [Mark(1, 2, {"reasoning": "<mm:think>"}), Mark(2, 3, {"reasoning": "<mm:think>"})]
+    assert chat_cut(marks, "enabled", greedy=True).state.think_seen
+    assert chat_cut(marks, None, greedy=False).state.think_seen
+    assert not chat_cut([Mark(0, 1, {"content": "Hi"})], None, greedy=True).state.think_seen
+    assert chat_cut([], "enabled", greedy=True).state.think_seen is False
+
+
 def test_nothing_seen_resumes_from_the_start_in_the_thinking_mode_state() -> None:
     assert chat_cut([], "enabled", greedy=True).state.mode == "reasoning"
     assert chat_cut([], None, greedy=True).done == 0
