@@ -272,6 +272,7 @@ class Failover:
         while any(self.stat(e, "cluster.m3gate_epp.membership_healthy") != healthy for e in envoys):
             assert time.monotonic() < deadline, f"Envoy never saw the picker's health become {healthy}"
             time.sleep(0.2)
+        time.sleep(1.0)  # the main thread's health verdict reaches the worker threads' host sets a moment later
 
 
 def _unguarded_envoy(folder: Path, config_path: Path, epp: str) -> tuple[Process, str, str]:
