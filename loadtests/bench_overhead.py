@@ -495,7 +495,7 @@ def profile_gateway(folder: Path, seconds: float) -> dict[str, Any]:
                              serve_module=("loadtests.bench_overhead", "--serve-profiled", str(prof)), cpus=GW_CPU)
             try:
                 wait_gateway_sees(gw.url, len(pool.urls))
-                run_segment([gw.url], body, conc, 0.5, None, "warm-up")
+                run_segment([gw.url], body, conc, 0.5, (), "warm-up")
                 os.kill(gw.pid, signal.SIGUSR1)
                 seg = run_segment([gw.url], body, conc, seconds, (gw.pid,), f"profile {name}")
             finally:
