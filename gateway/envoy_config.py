@@ -17,7 +17,8 @@ What it sets, and why:
 - timeouts for 1M-token prompts and long streams: no route timeout, an hour of stream idleness, the picker's
   message timeout above the longest admission wait, buffers that hold the largest body `server.max_body_bytes`
   allows (a retry re-sends the body from Envoy's buffer);
-- `failure_mode_allow` false (FailClose, the InferencePool default: the picker down means a 500) unless
+- `failure_mode_allow` false (FailClose, the InferencePool default: the picker down means a 500, worded as an
+  OpenAI error by `local_reply_config`) unless
   `fail_open` (the request then goes to a replica the fallback policy picks, least requests first); the picker's
   cluster is health-checked so that either applies to every request once the picker is known to be down (see
   `_picker_health`).
@@ -90,6 +91,19 @@ def _ext_proc(fail_open: bool, response_processing: str, message_timeout_s: int)
     }}
 
 
+def _openai_local_replies() -> dict[str, Any]:
+    """Envoy's own answer when the picker is unreachable under FailClose (ext_proc's local reply, details
+    `ext_proc_error...`, otherwise an empty body) in OpenAI's error shape, as `m3gate serve` words its errors. The
+    picker's ImmediateResponses are left alone: they already are, with the picker's status and code."""
+    picker_down = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": _T + "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": "response.code_details.startsWith('ext_proc_error')"}}}
+    error = {"message": "The endpoint picker is unavailable; retry shortly.", "type": "upstream_error",
+             "param": None, "code": "endpoint_picker_unavailable"}
+    return {"mappers": [{"filter": picker_down, "body_format_override": {
+        "json_format": {"error": error}, "content_type": "application/json"}}]}
+
+
 def _listener(host: str, port: int, filters: Sequence[Mapping[str, Any]], buffer_bytes: int) -> dict[str, Any]:
     route = {"cluster": REPLICAS_CLUSTER, "timeout": "0s", "idle_timeout": "3600s",
              "retry_policy": {
@@ -113,6 +127,7 @@ def _listener(host: str, port: int, filters: Sequence[Mapping[str, Any]], buffer
         }]},
         "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": _T + "extensions.filters.http.router.v3.Router"}}],
+        "local_reply_config": _openai_local_replies(),
     }
     return {"name": "m3gate", "address": _address(host, port), "per_connection_buffer_limit_bytes": 8 << 20,
             "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",

@@ -334,6 +334,8 @@ def test_picker_down_fails_closed_by_default_and_open_when_configured(pair: Pair
     failover.wait_picker(0)
     refused = _chat(failover.closed[0], 6)
     assert [r.status_code for r in refused] == [500] * 6
+    assert {r.json()["error"]["code"] for r in refused} == {"endpoint_picker_unavailable"}  # OpenAI's shape
+    assert set(refused[0].json()["error"]) == {"message", "type", "param", "code"}
     allowed_before = failover.stat(failover.opened, "http.m3gate.ext_proc.failure_mode_allowed")
     served = _chat(failover.opened[0], 12)
     assert [r.status_code for r in served] == [200] * 12, [r.text[:200] for r in served]
