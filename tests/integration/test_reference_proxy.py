@@ -1,6 +1,6 @@
-"""The overhead bench's measuring sticks (loadtests.floor_proxy, each listener / client variant) must really relay,
-or their figures mean nothing: a non-streaming and a streamed chat through each must come back exactly as the
-simulated replica answers them."""
+"""The overhead bench's measuring sticks (loadtests.floor_proxy, each listener / client variant, and Envoy + the
+picker) must really relay, or their figures mean nothing: a non-streaming and a streamed chat through each must come
+back exactly as the simulated replica answers them."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def _post(url: str, body: dict) -> tuple[int, bytes, str]:
 
 
 @pytest.mark.parametrize("name", ["floor", "floor-raw", "floor-granian", "floor-granian-rsgi",
-                                  "floor-granian-rsgi-raw"])
+                                  "floor-granian-rsgi-raw", "envoy+epp", "envoy+epp-none"])
 def test_floor_proxy_relays_plain_and_streamed_answers(name: str) -> None:
     if name.startswith("floor-granian"):
         pytest.importorskip("granian")
     body = {"model": "MiniMaxAI/MiniMax-M3", "messages": [{"role": "user", "content": "hello there"}],
             "max_tokens": 5, "ignore_eos": True, "seed": 1, "temperature": 0}
     with running_sims([{"max_model_len": 4096, "extra_args": ["--instant"]}]) as sims:
-        peer = start_peer(name, [sims[0].url])
+        peer = start_peer(name, [sims[0].url], timeout_s=90)
         try:
             status, raw, ctype = _post(peer.url + "/v1/chat/completions", body)
             assert status == 200 and ctype.startswith("application/json")
@@ -45,4 +45,4 @@ def test_floor_proxy_relays_plain_and_streamed_answers(name: str) -> None:
             assert sum(1 for d in deltas if d.get("content") or d.get("reasoning")) == 5
         finally:
             peer.stop()
-        assert peer.proc.poll() is not None
+        assert all(proc.poll() is not None for proc in peer.procs)  # envoy+epp: the picker and Envoy

@@ -68,6 +68,12 @@ def test_what_the_picker_relies_on() -> None:
     route = manager["route_config"]["virtual_hosts"][0]["routes"][0]
     assert route["route"]["timeout"] == "0s"  # long streams: no overall limit
     assert route["request_body_buffer_limit"] > config.server.max_body_bytes  # a retry re-sends the whole body
+    # fail-open needs Envoy to know the picker is down before a body arrives: health-checked, ejected on one
+    # refused connection, and no panic routing to a host known to be down
+    picker = bootstrap["static_resources"]["clusters"][0]
+    assert picker["health_checks"][0]["grpc_health_check"] == {"service_name": "liveness"}
+    assert picker["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
+    assert picker["outlier_detection"]["consecutive_local_origin_failure"] == 1
     assert replica_addresses(config) == [("10.0.0.5", 8000), ("10.0.0.6", 8000),
                                          ("vllm-extended.m3gate.svc.cluster.local", 8001)]
 
