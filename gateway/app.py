@@ -41,6 +41,7 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
     @asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         await gateway.start()
+        coordinator.stalls.start()
         history.start()
         if config_path and config.admin.watch_config:
             reloader.start_watching()
@@ -50,6 +51,7 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
             yield
         finally:
             await history.stop()
+            await coordinator.stalls.stop()
             await reloader.stop()
             await gateway.stop()
 

@@ -35,8 +35,10 @@ from policies.m3_stream import M3StreamParser, ParserState, initial_state
 from policies.migration import Mark, chat_cut, chat_finish_reason, nothing_left, resume_body
 from policies.vllm_wire import tokenize_body
 from pools.replicas import PoolRuntime, Replica
+from pools.tasks import cancel_and_wait
 
-_IDS, _PROMPT_IDS = b'"token_ids":[', b'"prompt_token_ids":['
+_IDS, _PROMPT_IDS, _NO_IDS = b'"token_ids":[', b'"prompt_token_ids":[', b'"token_ids":null'
+_GOING_ON, _FINISHED, _HELD_BACK = b'"finish_reason":null', b'"finish_reason":"', b'"delta":{}'
 RECENT_CHUNKS = 16  # a chat stream's last chunks the client saw, kept to find the cut (text, tool calls)
 EJECTED_SILENCE_S = 1.0  # a stream this silent on an ejected or unhealthy replica is given up on
 
@@ -47,13 +49,15 @@ class IdFilter(SseFilter):
     `recent`: (ids before, ids after, event) of the last chunks the client saw in full (chat); `failure`: why the
     replica's stream cannot go on though it may still send bytes ("abort", "error")."""
 
-    __slots__ = ("ids", "chat", "recent", "head", "failure", "finished", "_prompt_seen")
+    __slots__ = ("ids", "chat", "recent", "head", "failure", "finished", "_prompt_seen", "_recent_events")
 
     def __init__(self, strip_usage: bool, chat: bool) -> None:
         super().__init__(strip_usage)
         self.ids = array("I")
         self.chat = chat
-        self.recent: deque[tuple[int, int, bytes]] = deque(maxlen=RECENT_CHUNKS)
+        # (ids before, each event's raw ids, the events as relayed): the last reads, RECENT_CHUNKS events or more
+        self.recent: deque[tuple[int, list[bytes], bytes]] = deque()
+        self._recent_events = 0
         self.head = b""  # the first event (its id, created, model are the stream's)
         self.failure: str | None = None
         self.finished = False  # the answer's finish_reason came
@@ -68,9 +72,81 @@ class IdFilter(SseFilter):
         complete, self._buf = buf[: cut + 2], buf[cut + 2:]
         if self.failure is not None:
             return b""
-        if complete.find(b"\n\n") == cut:  # one event: the usual chunk
+        out = b""
+        if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):  # the stream's first event
+            first = complete.find(b"\n\n")
+            out, complete = self._event(complete[:first]), complete[first + 2:]
+            if not complete or self.failure is not None:
+                return out
+            if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):
+                return out + self._events(complete)
+        end = self._plain_end(complete)
+        return out + self._tokens(complete[:end]) + self._events(complete[end:])
+
+    def _plain_end(self, complete: bytes) -> int:
+        """Where the leading run of plain token events ends: the start of the first event with a finish_reason
+        (then usage, [DONE]) or, in chat, of one held back."""
+        end = len(complete)
+        for marker in (_FINISHED, _HELD_BACK) if self.chat else (_FINISHED,):
+            at = complete.find(marker, 0, end)
+            if at >= 0:
+                i = complete.rfind(b"\n\n", 0, at)
+                end = i + 2 if i >= 0 else 0
+        return end
+
+    def _events(self, complete: bytes) -> bytes:
+        """Whole events, one by one."""
+        if not complete:
+            return b""
+        if complete.find(b"\n\n") == len(complete) - 2:
             return self._event(complete[:-2])
-        return b"".join(self._event(event) for event in complete.split(b"\n\n")[:-1])
+        return b"".join([self._event(event) for event in complete.split(b"\n\n")[:-1]])
+
+    def _tokens(self, complete: bytes) -> bytes:
+        """Whole events that should each carry ids and go on (no finish, nothing held back): a few C calls whatever
+        their number (a read often holds many), not Python per event; one by one if they do not all."""
+        if not complete:
+            return b""
+        n = complete.count(b"\n\n")
+        pieces = complete.split(_IDS)
+        if len(pieces) != n + 1 or complete.count(_GOING_ON) != n:
+            return self._events(complete)
+        self.events += n
+        parts = [piece.partition(b"]") for piece in pieces[1:]]
+        raw = [part[0] for part in parts]
+        before = len(self.ids)
+        self._keep(raw)
+        pieces[1:] = [part[2] for part in parts]
+        out = _NO_IDS.join(pieces)
+        if self.chat:
+            self._remember(before, raw, out)
+        return out
+
+    def _keep(self, raw: list[bytes]) -> None:
+        """The generated ids, from their decimal text (`raw`: each event's, comma-separated)."""
+        text = b",".join(raw)
+        try:
+            self.ids.extend(orjson.loads(b"[" + text + b"]"))
+        except orjson.JSONDecodeError:  # an event with no ids: `[]`
+            self.ids.extend(int(x) for x in text.split(b",") if x)
+
+    def _remember(self, before: int, raw: list[bytes], out: bytes) -> None:
+        """Keeps the events just relayed for a cut, and older reads only while the last RECENT_CHUNKS need them."""
+        recent = self.recent
+        recent.append((before, raw, out))
+        self._recent_events += len(raw)
+        while self._recent_events - len(recent[0][1]) >= RECENT_CHUNKS:
+            self._recent_events -= len(recent.popleft()[1])
+
+    def recent_events(self) -> list[tuple[int, int, bytes]]:
+        """(ids before, ids after, event) of the last RECENT_CHUNKS chunks the client saw in full (at a cut only)."""
+        out = []
+        for before, raw, events in self.recent:
+            for ids, event in zip(raw, events.split(b"\n\n")):
+                after = before + (ids.count(b",") + 1 if ids else 0)
+                out.append((before, after, event))
+                before = after
+        return out[-RECENT_CHUNKS:]
 
     def _event(self, event: bytes) -> bytes:
         self.events += 1
@@ -81,8 +157,9 @@ class IdFilter(SseFilter):
             return self._other(event)
         j = event.find(b"]", i + 13)
         before = len(self.ids)
-        if j > i + 13:
-            self.ids.extend(map(int, event[i + 13:j].split(b",")))
+        raw = event[i + 13:j] if j > i + 13 else b""
+        if raw:
+            self._keep([raw])
         event = event[: i + 12] + b"null" + event[j + 1:]
         if not self._prompt_seen:  # completions: the first chunk of the choice carries the prompt's ids
             event = self._strip_prompt(event)
@@ -95,7 +172,9 @@ class IdFilter(SseFilter):
         elif self.chat:
             if b'"delta":{}' in event:  # held back by the parser: sent only because ids were asked for
                 return b""
-            self.recent.append((before, len(self.ids), event))
+            event += b"\n\n"
+            self._remember(before, [raw], event)
+            return event
         return event + b"\n\n"
 
     def _other(self, event: bytes) -> bytes:
@@ -125,7 +204,7 @@ class IdFilter(SseFilter):
     def marks(self) -> list[Mark]:
         """The recent chunks as parsed marks (at a cut only)."""
         out = []
-        for before, after, event in self.recent:
+        for before, after, event in self.recent_events():
             obj = _json(event)
             choices = obj.get("choices") if obj else None
             if choices:
@@ -143,14 +222,17 @@ def _json(event: bytes) -> dict[str, Any] | None:
 
 
 class StallWatch:
-    """One ticker over every live resumable stream (none while there is none): closes a stream that has been silent
-    longer than its stall timeout, or for EJECTED_SILENCE_S while its replica is ejected or unhealthy. A draining
-    vLLM past its --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed."""
+    """One ticker over every live resumable stream: closes a stream that has been silent longer than its stall
+    timeout, or for EJECTED_SILENCE_S while its replica is ejected or unhealthy. A draining vLLM past its
+    --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed. The ticker runs
+    from `start` to `stop` (the app's lifespan): a task and a timer per stream cost more than a tick every 0.25 s.
+    Used without them (an app without its lifespan), it runs while any stream is live."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._live: dict[int, list[Any]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._started = False
 
     def add(self, filt: IdFilter, held: Held, replica: Replica, timeout: float) -> int:
         key = id(held)
@@ -162,9 +244,20 @@ class StallWatch:
     def remove(self, key: int) -> None:
         self._live.pop(key, None)
 
+    def start(self) -> None:
+        self._started = True
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        self._started = False
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+
     async def _tick(self) -> None:
         try:
-            while self._live:
+            while self._live or self._started:
                 await asyncio.sleep(0.25)
                 now = self.clock()
                 for key, entry in list(self._live.items()):
@@ -249,7 +342,7 @@ class Resumer:
         if self.api == "chat":
             cut = chat_cut(filt.marks(), self.thinking_mode, self.greedy)
             self.done, self.state = cut.done, cut.state
-            self.tools_called = cut.state.tools_called or any(b'"tool_calls"' in e for _, _, e in filt.recent)
+            self.tools_called = cut.state.tools_called or any(b'"tool_calls"' in e for _, _, e in filt.recent_events())
         else:
             self.done = len(filt.ids)
 
