@@ -80,8 +80,30 @@ class IdFilter(SseFilter):
                 return out
             if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):
                 return out + self._events(complete)
+        if complete.find(b"\n\n") == len(complete) - 2:  # one event: the usual read at decode pace
+            return out + self._one(complete)
         end = self._plain_end(complete)
         return out + self._tokens(complete[:end]) + self._events(complete[end:])
+
+    def _one(self, event: bytes) -> bytes:
+        """One whole event (with its blank line): a plain token event in a few byte operations; anything else
+        (a finish, usage, [DONE], an error, a held-back chunk) through `_event`."""
+        i = event.find(_IDS)
+        if i < 0 or _GOING_ON not in event or (self.chat and _HELD_BACK in event):
+            return self._event(event[:-2])
+        j = event.find(b"]", i + 13)
+        raw = event[i + 13:j]
+        before = len(self.ids)
+        if raw:
+            if b"," in raw:
+                self._keep([raw])
+            else:
+                self.ids.append(int(raw))
+        self.events += 1
+        out = event[: i + 12] + b"null" + event[j + 1:]
+        if self.chat:
+            self._remember(before, [raw], out)
+        return out
 
     def _plain_end(self, complete: bytes) -> int:
         """Where the leading run of plain token events ends: the start of the first event with a finish_reason
