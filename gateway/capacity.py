@@ -56,6 +56,7 @@ class CapacitySignal:
         self._mix: dict[tuple[str, str], tuple[float, float, float]] = {}  # last known (prompt, cached, output) means
         self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
         self._stable: dict[tuple[str, str], Stabilizer] = {}
+        self._prefilled: dict[str, deque[tuple[float, int]]] = {}  # replica → (time, its prefilled-token counter)
         self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, role) → GET /admin/capacity's entry
         self._task: asyncio.Task[None] | None = None
 
@@ -90,8 +91,21 @@ class CapacitySignal:
             cost = self.decode_costs.get(pool)
             if cost is None:
                 cost = self.decode_costs[pool] = DecodeCost()
+            span = record.t_last_byte - record.t_first_byte
             cost.learn(batch, prompt + completion / 2.0,
-                       (record.t_last_byte - record.t_first_byte) / (completion - 1))
+                       span * self._decode_share(pool, replica, record.t_first_byte, span) / (completion - 1))
+
+    def _decode_share(self, pool: str, replica: Any, start: float, span: float) -> float:
+        """The share of a stream's time its replica spent on decode steps: the prompts other requests prefilled
+        meanwhile (the replica's prefilled-token counter, sampled each interval, × the pool's learnt prefill cost)
+        stretched its steps, and the model adds that stretch back from the demand (1 / (1 − ρp)); learning it
+        into the decode step would count it twice."""
+        marks = self._prefilled.get(replica.url)
+        model = self._gw.latency.get(pool)
+        if not marks or model is None or span <= 0.0:
+            return 1.0
+        tokens = _at(marks, start + span, replica.prefilled_tokens) - _at(marks, start, replica.prefilled_tokens)
+        return max(0.1, 1.0 - model.cost.c * 1e-3 * max(0.0, tokens) / span)
 
     # the timer ---------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +153,7 @@ class CapacitySignal:
             self.entries.pop(key, None)
         for name in [n for n in self._levels if n not in live]:
             del self._levels[name]
+        self._mark_prefilled(now, max(cfg.window_s, 60.0))
         for name, pool in list(gw.pools.items()):
             queued = traffic.get(name, {}).get("classes", {})
             demand = self._demand(name, finished, in_gateway, held_before, span, queued)
@@ -173,6 +188,18 @@ class CapacitySignal:
                     name, role, current, desired, needed, measured, factor, demand, costs, now - stable.changed_at,
                     backlog, predict(role, led, costs, current, prefill_backlog=backlog),
                     predict(role, led, costs, desired, prefill_backlog=backlog))
+
+    def _mark_prefilled(self, now: float, keep_s: float) -> None:
+        live = set()
+        for pool in self._gw.pools.values():
+            for replica in pool.replicas.values():
+                live.add(replica.url)
+                marks = self._prefilled.setdefault(replica.url, deque())
+                marks.append((now, replica.prefilled_tokens))
+                while marks and marks[0][0] < now - keep_s:
+                    marks.popleft()
+        for url in [u for u in self._prefilled if u not in live]:
+            del self._prefilled[url]
 
     def _demand(self, pool: str, finished: dict[tuple[str, str], list[float]],
                 in_gateway: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
@@ -235,6 +262,18 @@ def _in_gateway(traffic: dict[str, Any]) -> dict[tuple[str, str], float]:
         for cls, counts in view.get("classes", {}).items():
             out[(pool, cls)] = float(counts.get("in_flight", 0) + counts.get("queued", 0))
     return out
+
+
+def _at(marks: deque[tuple[float, int]], t: float, now_value: int) -> float:
+    """A counter's value at time t, linear between its samples (its current value after the last one)."""
+    prev: tuple[float, float] | None = None
+    for when, value in marks:
+        if when >= t:
+            if prev is None or when <= prev[0]:
+                return float(value)
+            return prev[1] + (value - prev[1]) * (t - prev[0]) / (when - prev[0])
+        prev = (when, float(value))
+    return float(now_value)
 
 
 def _scaled(demand: ClassDemand, factor: float) -> ClassDemand:

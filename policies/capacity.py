@@ -2,24 +2,28 @@
 p95 targets at a given demand, queueing included; and how that number is turned into a signal an autoscaler can
 follow without flapping.
 
-The model, per replica at N replicas (arrivals split evenly, as the replica policy spreads them):
+The model, per replica at N replicas (arrivals spread evenly, as the replica policy spreads them):
 
 - Decode. A step of `B` sequences takes `d0 + g · B` seconds (`DecodeCost`, g the per-sequence cost at the mean
   context). Little's law gives `B = Λo · TPOT` (Λo: output tokens per second per replica), and prefill work sharing
   the step (an aggregated replica with chunked prefill) stretches it by 1/(1 − ρp), ρp the share of the GPU the
   prefill tokens take. So TPOT = d0 / (1 − ρp − g · Λo): the utilisation law, with a pole where the replica is
   full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B).
-- Prefill. An M/G/1 queue per replica: a request's service is `a + c · uncached / (1 − ρd)` (the learnt step cost
-  `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica), the mean wait by
-  Pollaczek–Khinchine, its tail by the usual exponential approximation (P(wait > t) ≈ ρ · e^(−t ρ / E[W])). TTFT
-  p95 of a class = wait p95 + its own service. The engine batches several prefills into one step, so this errs
+- Prefill. An M/G/N queue: the replica policy sends each prompt to the replica that will serve it soonest, so the
+  pool behaves as one queue with N servers rather than N queues of random shares (which overstated the wait
+  twofold at N = 4 on bench_autoscale's day). A request's service is `a + c · uncached / (1 − ρd)` (the learnt
+  step cost `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica); the
+  wait's tail is M/M/N's (Erlang C · e^(−(N − a) t / E[S])) stretched by (1 + cs²)/2 for general services
+  (Allen–Cunneen; at N = 1, Pollaczek–Khinchine with an exponential tail). TTFT p95 of a class = wait p95 + its
+  own service. The engine batches several prefills into one step, so this errs
   high when many short prompts arrive together: the signal leans to one replica too many, never too few.
 - KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
   shared (conservative: shared prefixes hold one copy).
 - The gateway's queue. Requests already waiting there are work that has arrived: they are added to the demand as a
   rate that clears them within `backlog_clear_s`; so are the uncached tokens sent to the replicas and not yet
-  prefilled (`prefill_backlog`), which show a pile-up before any of its answers has come back.
+  prefilled (`prefill_backlog`) beyond what the measured rates hold in prefill anyway (Little's law), which show
+  a pile-up before any of its answers has come back.
 
 `size` returns the smallest N that meets every target and the bottleneck that set it: `prefill_compute` (TTFT),
 `decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, or `gateway_queue`
@@ -28,7 +32,8 @@ TPOT and KV.
 
 `Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
 the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
-the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead.
+the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead
+(the part of its slope beyond two standard errors, so that noise under constant load is not a trend).
 
 Pure: no clock, no I/O; the gateway (gateway/capacity.py) and `m3gate plan` feed it.
 """
@@ -149,7 +154,7 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
             batch = out_rate * tpot
             b95 = batch + _Z95 * math.sqrt(batch)
             tpot95 = (costs.decode_step_s + g * b95) / (1.0 - rho_p)
-    # prefill: M/G/1 per replica
+    # prefill: M/G/n (the replica policy sends each prompt where it is served soonest)
     wait95 = 0.0
     services = [0.0 for _ in demand]
     prefill_util = 0.0
@@ -158,14 +163,13 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
         services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else inf for d in demand]
         prefill_util = sum(p * s for p, s in zip(per, services))
         if prefill_backlog > 0.0 and slow > 0.0:
-            prefill_util += prefill_backlog * c / slow / (n * params.backlog_clear_s)
+            excess = prefill_backlog - n * _in_prefill(per, demand, services, prefill_util)
+            if excess > 0.0:
+                prefill_util += excess * c / slow / (n * params.backlog_clear_s)
         if prefill_util >= 1.0:
             wait95 = inf
         elif lam > 0.0 and prefill_util > 0.0:
-            second = sum(p * s * s for p, s in zip(per, services)) / lam
-            mean_wait = lam * second / (2.0 * (1.0 - prefill_util))
-            if prefill_util > _TAIL and mean_wait > 0.0:
-                wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
+            wait95 = _wait95(n, lam, prefill_util, sum(p * s * s for p, s in zip(per, services)) / lam)
     classes = {}
     for d, s in zip(demand, services):
         ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
@@ -190,6 +194,39 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     if kv_usage is not None and kv_usage > params.kv_limit:
         meets["kv_memory"] = False
     return Prediction(n, classes, utilisation, kv_usage, meets)
+
+
+def _erlang_c(n: int, load: float) -> float:
+    """The probability that an arrival waits in an M/M/n queue offered `load` (= arrivals × mean service; < n)."""
+    b = 1.0
+    for k in range(1, n + 1):
+        b = load * b / (k + load * b)
+    return b / (1.0 - load / n * (1.0 - b))
+
+
+def _wait95(n: int, lam: float, util: float, second: float) -> float:
+    """The 95th percentile of the prefill wait in an M/G/n queue: arrivals `lam` per replica, utilisation `util`,
+    services' second moment `second`. M/M/n's tail P(W > t) = C · e^(−(n − a) t / E[S]) (C: Erlang C, a = n · util
+    the offered load), stretched by (1 + cs²)/2 for general services (Allen–Cunneen); for n = 1 this is
+    Pollaczek–Khinchine's mean with the exponential tail."""
+    mean = util / lam  # the mean service, the backlog's share included
+    waits = _erlang_c(n, n * util)
+    if waits <= _TAIL:
+        return 0.0
+    stretch = max(0.5, (1.0 + max(0.0, second / (mean * mean) - 1.0)) / 2.0)
+    return math.log(waits / _TAIL) * stretch * mean / (n * (1.0 - util))
+
+
+def _in_prefill(per: Sequence[float], demand: Sequence[ClassDemand], services: Sequence[float],
+               util: float) -> float:
+    """Uncached tokens a replica holds between arrival and first token in the steady state at this demand (Little's
+    law: rate × tokens × (mean wait + service)); a backlog beyond it is a pile-up the rates do not show yet."""
+    if util >= 1.0:
+        return math.inf
+    lam = sum(per)
+    second = sum(p * s * s for p, s in zip(per, services)) / lam if lam > 0.0 else 0.0
+    wait = lam * second / (2.0 * (1.0 - util))
+    return sum(p * d.uncached_tokens * (wait + s) for p, d, s in zip(per, demand, services))
 
 
 def _smallest(ok: Callable[[int], bool], ceiling: int) -> int:
@@ -247,6 +284,10 @@ def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: f
         return 1.0
     slope = sum((t - mt) * (r - mr) for t, r in points) / var
     level = mr + slope * (points[-1][0] - mt)  # the line's value now
+    # only the part of the slope its noise cannot explain (two standard errors): a measured rate that wobbles
+    # under constant load must not lead the signal up and down
+    residual = sum((r - (mr + slope * (t - mt))) ** 2 for t, r in points) / max(1, n - 2)
+    slope -= 2.0 * math.sqrt(residual / var)
     if slope <= 0.0 or level <= 0.0:
         return 1.0
     return min(cap, 1.0 + slope * horizon_s / level)
