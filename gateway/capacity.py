@@ -15,7 +15,9 @@ num_requests_running at the last scrape, else the gateway's in-flight count), an
 
 Each gateway sizes for the requests it sees itself; behind a load balancer the pool's count is the sum over the
 gateways (deploy/k8s/autoscaling-*). A fresh gateway publishes nothing for its first `window_s` (it has seen too
-little to ask for fewer replicas than run); from then on the `Stabilizer` rules apply.
+little to ask for fewer replicas than run); from then on the `Stabilizer` rules apply, rises sized on the arrival
+rates' lower bound (one Poisson standard deviation below the count, led by the trend) and falls on the window's
+peak of the rates as measured, so that a few requests more or fewer in a window move nothing.
 
 `observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
 everything else runs on the timer.
@@ -163,7 +165,10 @@ class CapacitySignal:
             while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
                 levels.popleft()
             factor = lead_factor(levels, cfg.startup_s)
-            led = [_scaled(d, factor) for d in demand] if factor > 1.0 else demand
+            # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
+            # window holding a few requests more than usual is noise, not a target at risk
+            sure = self._demand(name, finished, in_gateway, held_before, span, queued, z=1.0)
+            led = [_scaled(d, factor) for d in sure]
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
             bounds = pool.config.capacity
             for role in roles:
@@ -172,7 +177,7 @@ class CapacitySignal:
                 backlog = float(sum(r.prefill_tokens for r in (pool.of_role(role) if pool.disaggregated
                                                                  else pool.replicas.values())))
                 measured = size(role, demand, costs, prefill_backlog=backlog)
-                needed = size(role, led, costs, prefill_backlog=backlog) if led is not demand else measured
+                needed = size(role, led, costs, prefill_backlog=backlog)
                 stable = self._stable.get((name, role))
                 if stable is None and measuring:
                     self.entries[(name, role)] = _entry(
@@ -203,7 +208,9 @@ class CapacitySignal:
 
     def _demand(self, pool: str, finished: dict[tuple[str, str], list[float]],
                 in_gateway: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
-                span: float, queued_now: dict[str, Any]) -> list[ClassDemand]:
+                span: float, queued_now: dict[str, Any], z: float = 0.0) -> list[ClassDemand]:
+        """Each class's demand on `pool` over the window; with `z` > 0 its arrival rate `z` Poisson standard
+        deviations below the count (a lower bound)."""
         classes = self._gw.config.traffic.classes
         keys = {k for k in (*finished, *in_gateway, *before) if k[0] == pool}
         out = []
@@ -221,8 +228,9 @@ class CapacitySignal:
             targets = cfg.latency_targets() if cfg is not None else {}
             ttft = dict(targets.get("ttft", ())).get("p95")
             tpot = dict(targets.get("tpot", ())).get("p95")
+            arrived = max(0.0, arrived)
             out.append(ClassDemand(
-                key[1], max(0.0, arrived) / span, prompt, max(0.0, prompt - cached), output,
+                key[1], max(0.0, arrived - z * math.sqrt(arrived)) / span, prompt, max(0.0, prompt - cached), output,
                 None if ttft is None else ttft / 1000.0, None if tpot is None else tpot / 1000.0,
                 float(queued_now.get(key[1], {}).get("queued", 0))))
         return out
@@ -300,7 +308,7 @@ def _entry(pool: str, role: str, current: int, desired: int | None, needed: Sizi
            backlog: float, at_current: Prediction, at_desired: Prediction | None) -> dict[str, Any]:
     return {
         "pool": pool, "role": role, "current": current, "desired": desired,
-        "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead included)
+        "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead, lower bound)
         "needed_now": measured.replicas,  # for the demand measured now
         "bottleneck": needed.bottleneck,
         "since_change_s": None if since_change_s is None else round(since_change_s, 1),  # None: still measuring

@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hour-s", type=float, default=None, help="seconds per hour of the day (default 15)")
     parser.add_argument("--control", type=float, default=None, help="control-loop time factor (default 0.1)")
     parser.add_argument("--fixed", type=int, default=None, help="the fixed pool's count (default: planned peak)")
+    parser.add_argument("--initial", type=int, default=None, help="the autoscaled pools' first count (default: "
+                        "planned night)")
+    parser.add_argument("--drain-s", type=float, default=30.0, help="seconds answers may take after the day")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default loadtests/results/<run>)")
     args = parser.parse_args(argv)
@@ -292,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     day = Day(DAY, scale, args.seed)
     night, peak = planned(1.0), planned(4.0)
     fixed = args.fixed or peak
-    setups = [Setup(name, fixed if name == "fixed" else night, scale) for name in args.policies]
+    initial = args.initial or night
+    setups = [Setup(name, fixed if name == "fixed" else initial, scale) for name in args.policies]
     print(f"day {day.duration_s:.0f} s, {scale}; planned night {night}, peak {peak}; fixed pool {fixed}", flush=True)
-    summary = asyncio.run(_run(setups, day, drain_s=30.0))
+    summary = asyncio.run(_run(setups, day, drain_s=args.drain_s))
     summary.update({"planned": {"night": night, "peak": peak, "fixed": fixed}, "sim_costs": SIM_COSTS.__dict__
                     if hasattr(SIM_COSTS, "__dict__") else str(SIM_COSTS)})
     md = markdown(summary)

@@ -8,7 +8,9 @@ The model, per replica at N replicas (arrivals spread evenly, as the replica pol
   context). Little's law gives `B = Λo · TPOT` (Λo: output tokens per second per replica), and prefill work sharing
   the step (an aggregated replica with chunked prefill) stretches it by 1/(1 − ρp), ρp the share of the GPU the
   prefill tokens take. So TPOT = d0 / (1 − ρp − g · Λo): the utilisation law, with a pole where the replica is
-  full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B).
+  full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B), or, where larger, a
+  class's decode steps plus the prefills that stall it at their 95th percentile (compound Poisson over the time
+  it decodes): a 32-token answer that meets one 4,000-token prefill is slowed by its whole length.
 - Prefill. An M/G/N queue: the replica policy sends each prompt to the replica that will serve it soonest, so the
   pool behaves as one queue with N servers rather than N queues of random shares (which overstated the wait
   twofold at N = 4 on bench_autoscale's day). A request's service is `a + c · uncached / (1 − ρd)` (the learnt
@@ -171,9 +173,13 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
         elif lam > 0.0 and prefill_util > 0.0:
             wait95 = _wait95(n, lam, prefill_util, sum(p * s * s for p, s in zip(per, services)) / lam)
     classes = {}
+    prefill_m2 = c * c * sum(p * d.uncached_tokens ** 2 for p, d in zip(per, demand)) if rho_p > 0.0 else 0.0
     for d, s in zip(demand, services):
         ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
-        classes[d.name] = ClassPrediction(ttft, tpot95 if decode_side else 0.0)
+        own = tpot95
+        if rho_p > 0.0 and tpot < inf and d.output_tokens > 1.0:
+            own = max(tpot95, _tpot95_tail(costs.decode_step_s + g * batch, tpot, rho_p, prefill_m2, d.output_tokens))
+        classes[d.name] = ClassPrediction(ttft, own if decode_side else 0.0)
     # KV
     kv_usage = None
     if decode_side and costs.kv_tokens:
@@ -194,6 +200,16 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     if kv_usage is not None and kv_usage > params.kv_limit:
         meets["kv_memory"] = False
     return Prediction(n, classes, utilisation, kv_usage, meets)
+
+
+def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, output_tokens: float) -> float:
+    """A stream's TPOT at its 95th percentile on an aggregated replica: its decode steps (`step` each) plus the
+    prefills that land on the replica while it decodes, which stall it whole. Over a stream of `output_tokens` at
+    the mean `tpot` (D seconds) they are compound Poisson: mean ρp · D, variance D · Σλ·s² (`prefill_m2`, per
+    replica); a short answer meets a long prompt's prefill undiluted, which the mean step 1/(1 − ρp) hides."""
+    span = output_tokens * tpot
+    stalls = rho_p * span + _Z95 * math.sqrt(span * prefill_m2)
+    return step + stalls / (output_tokens - 1.0)
 
 
 def _erlang_c(n: int, load: float) -> float:
