@@ -66,9 +66,9 @@ class Shape:
     groups: int = 0
 
 
-INTERACTIVE = Shape((600, 1800), 32, prefix_tokens=400, groups=8)
-REPOSITORY = Shape((4000, 8000), 64, prefix_tokens=2000, groups=4)
-LONG = Shape((10000, 14000), 64)
+INTERACTIVE = Shape((600, 1800), 24, prefix_tokens=400, groups=8)
+REPOSITORY = Shape((4000, 8000), 48, prefix_tokens=2000, groups=4)
+LONG = Shape((10000, 14000), 48)
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def gateway_config(endpoints: Sequence[str], scale: Timescale, max_replicas: int
         "model": MODEL,
         "pools": [{"name": POOL, "max_model_len": 32768, "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE,
                    "endpoints": list(endpoints), "capacity": {"min_replicas": 1, "max_replicas": max_replicas}}],
-        "server": {"health_interval_s": 0.5},
+        "server": {"health_interval_s": 1.0},
         "traffic": {"classes": classes, "pool_classes": {POOL: "interactive"}},
         "capacity": {"interval_s": max(0.2, scale.s(5.0)), "window_s": scale.window_s,
                      "scale_down_stabilization_s": scale.s(300.0), "startup_s": scale.s(180.0)},

@@ -11,14 +11,13 @@ The model, per replica at N replicas (arrivals spread evenly, as the replica pol
   full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B), or, where larger, a
   class's decode steps plus the prefills that stall it at their 95th percentile (compound Poisson over the time
   it decodes): a 32-token answer that meets one 4,000-token prefill is slowed by its whole length.
-- Prefill. An M/G/N queue: the replica policy sends each prompt to the replica that will serve it soonest, so the
-  pool behaves as one queue with N servers rather than N queues of random shares (which overstated the wait
-  twofold at N = 4 on bench_autoscale's day). A request's service is `a + c · uncached / (1 − ρd)` (the learnt
-  step cost `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica); the
-  wait's tail is M/M/N's (Erlang C · e^(−(N − a) t / E[S])) stretched by (1 + cs²)/2 for general services
-  (Allen–Cunneen; at N = 1, Pollaczek–Khinchine with an exponential tail). TTFT p95 of a class = wait p95 + its
-  own service. The engine batches several prefills into one step, so this errs
-  high when many short prompts arrive together: the signal leans to one replica too many, never too few.
+- Prefill. An M/G/1 queue per replica: a request's service is `a + c · uncached / (1 − ρd)` (the learnt step cost
+  `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica), the mean wait by
+  Pollaczek–Khinchine, its tail by the usual exponential approximation (P(wait > t) ≈ ρ · e^(−t ρ / E[W])). TTFT
+  p95 of a class = wait p95 + its own service. A load-aware router does better than N queues of random shares
+  (an M/G/N pool would be the other bound), but one that keeps prefixes where they are cached sends a prompt to a
+  replica busy with a long prefill: bench_autoscale measured waits beyond even this model (docs/performance.md).
+  The engine batches several prefills into one step, so this errs high when many short prompts arrive together.
 - KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
   shared (conservative: shared prefixes hold one copy).
@@ -156,7 +155,7 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
             batch = out_rate * tpot
             b95 = batch + _Z95 * math.sqrt(batch)
             tpot95 = (costs.decode_step_s + g * b95) / (1.0 - rho_p)
-    # prefill: M/G/n (the replica policy sends each prompt where it is served soonest)
+    # prefill: M/G/1 per replica
     wait95 = 0.0
     services = [0.0 for _ in demand]
     prefill_util = 0.0
@@ -171,7 +170,10 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
         if prefill_util >= 1.0:
             wait95 = inf
         elif lam > 0.0 and prefill_util > 0.0:
-            wait95 = _wait95(n, lam, prefill_util, sum(p * s * s for p, s in zip(per, services)) / lam)
+            second = sum(p * s * s for p, s in zip(per, services)) / lam
+            mean_wait = lam * second / (2.0 * (1.0 - prefill_util))
+            if prefill_util > _TAIL and mean_wait > 0.0:
+                wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
     classes = {}
     prefill_m2 = c * c * sum(p * d.uncached_tokens ** 2 for p, d in zip(per, demand)) if rho_p > 0.0 else 0.0
     for d, s in zip(demand, services):
@@ -210,27 +212,6 @@ def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, outp
     span = output_tokens * tpot
     stalls = rho_p * span + _Z95 * math.sqrt(span * prefill_m2)
     return step + stalls / (output_tokens - 1.0)
-
-
-def _erlang_c(n: int, load: float) -> float:
-    """The probability that an arrival waits in an M/M/n queue offered `load` (= arrivals × mean service; < n)."""
-    b = 1.0
-    for k in range(1, n + 1):
-        b = load * b / (k + load * b)
-    return b / (1.0 - load / n * (1.0 - b))
-
-
-def _wait95(n: int, lam: float, util: float, second: float) -> float:
-    """The 95th percentile of the prefill wait in an M/G/n queue: arrivals `lam` per replica, utilisation `util`,
-    services' second moment `second`. M/M/n's tail P(W > t) = C · e^(−(n − a) t / E[S]) (C: Erlang C, a = n · util
-    the offered load), stretched by (1 + cs²)/2 for general services (Allen–Cunneen); for n = 1 this is
-    Pollaczek–Khinchine's mean with the exponential tail."""
-    mean = util / lam  # the mean service, the backlog's share included
-    waits = _erlang_c(n, n * util)
-    if waits <= _TAIL:
-        return 0.0
-    stretch = max(0.5, (1.0 + max(0.0, second / (mean * mean) - 1.0)) / 2.0)
-    return math.log(waits / _TAIL) * stretch * mean / (n * (1.0 - util))
 
 
 def _in_prefill(per: Sequence[float], demand: Sequence[ClassDemand], services: Sequence[float],

@@ -65,7 +65,7 @@ def test_queueing_counts_a_pool_busy_below_its_throughput_still_misses_a_tight_t
 
 
 def test_roles_hold_only_their_own_targets() -> None:
-    demand = [chat(10.0, ttft=0.15, tpot=0.5)]  # tight TTFT (a prefill takes 0.11 s), loose TPOT
+    demand = [chat(10.0, ttft=0.3, tpot=0.5)]  # tight TTFT, loose TPOT
     prefill, decode = size("prefill", demand, COSTS), size("decode", demand, COSTS)
     assert prefill.bottleneck == "prefill_compute" and decode.bottleneck in ("decode_compute", "kv_memory")
     assert prefill.replicas > decode.replicas
@@ -75,7 +75,7 @@ def test_roles_hold_only_their_own_targets() -> None:
 
 def test_every_class_must_meet_its_own_target() -> None:
     loose = [chat(10.0, ttft=5.0), ClassDemand("batch", 5.0, 2000, 2000, 100, ttft_p95_s=20.0)]
-    tight = [chat(10.0, ttft=0.15), ClassDemand("batch", 5.0, 2000, 2000, 100, ttft_p95_s=20.0)]
+    tight = [chat(10.0, ttft=0.3), ClassDemand("batch", 5.0, 2000, 2000, 100, ttft_p95_s=20.0)]
     assert size("both", tight, COSTS).replicas > size("both", loose, COSTS).replicas
     assert_minimal("both", tight, COSTS, size("both", tight, COSTS).replicas)
 
