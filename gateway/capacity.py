@@ -164,7 +164,7 @@ class CapacitySignal:
             levels.append((now, rate))
             while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
                 levels.popleft()
-            factor = lead_factor(levels, cfg.startup_s)
+            factor = lead_factor(levels, cfg.startup_s, correlation_s=cfg.window_s)
             # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
             # window holding a few requests more than usual is noise, not a target at risk
             sure = self._demand(name, finished, in_gateway, held_before, span, queued, z=1.0)

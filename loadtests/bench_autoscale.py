@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--hour-s", type=float, default=None, help="seconds per hour of the day (default 15)")
     parser.add_argument("--control", type=float, default=None, help="control-loop time factor (default 0.1)")
-    parser.add_argument("--fixed", type=int, default=None, help="the fixed pool's count (default: planned peak)")
+    parser.add_argument("--fixed", type=int, default=None, help="the fixed pool's count (default: the autoscalers' "
+                        "ceiling, 10, what the peak needs on a 2-core machine)")
     parser.add_argument("--initial", type=int, default=None, help="the autoscaled pools' first count (default: "
                         "planned night)")
     parser.add_argument("--drain-s", type=float, default=30.0, help="seconds answers may take after the day")
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                       control=args.control or (0.04 if args.quick else 0.1), window_s=10.0 if args.quick else 20.0)
     day = Day(DAY, scale, args.seed)
     night, peak = planned(1.0), planned(4.0)
-    fixed = args.fixed or peak
+    fixed = args.fixed or MAX_REPLICAS
     initial = args.initial or night
     setups = [Setup(name, fixed if name == "fixed" else initial, scale) for name in args.policies]
     print(f"day {day.duration_s:.0f} s, {scale}; planned night {night}, peak {peak}; fixed pool {fixed}", flush=True)

@@ -176,11 +176,16 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
                 wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
     classes = {}
     prefill_m2 = c * c * sum(p * d.uncached_tokens ** 2 for p, d in zip(per, demand)) if rho_p > 0.0 else 0.0
+    jumps, longer = [], 0.0
+    for p, d in sorted(zip(per, demand), key=lambda x: -x[1].uncached_tokens):
+        longer += p
+        jumps.append((c * d.uncached_tokens, longer))
     for d, s in zip(demand, services):
         ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
         own = tpot95
         if rho_p > 0.0 and tpot < inf and d.output_tokens > 1.0:
-            own = max(tpot95, _tpot95_tail(costs.decode_step_s + g * batch, tpot, rho_p, prefill_m2, d.output_tokens))
+            own = max(tpot95, _tpot95_tail(costs.decode_step_s + g * batch, tpot, rho_p, prefill_m2, d.output_tokens,
+                                           jumps))
         classes[d.name] = ClassPrediction(ttft, own if decode_side else 0.0)
     # KV
     kv_usage = None
@@ -204,13 +209,20 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     return Prediction(n, classes, utilisation, kv_usage, meets)
 
 
-def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, output_tokens: float) -> float:
+def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, output_tokens: float,
+                 jumps: Sequence[tuple[float, float]] = ()) -> float:
     """A stream's TPOT at its 95th percentile on an aggregated replica: its decode steps (`step` each) plus the
     prefills that land on the replica while it decodes, which stall it whole. Over a stream of `output_tokens` at
     the mean `tpot` (D seconds) they are compound Poisson: mean ρp · D, variance D · Σλ·s² (`prefill_m2`, per
-    replica); a short answer meets a long prompt's prefill undiluted, which the mean step 1/(1 − ρp) hides."""
+    replica); a short answer meets a long prompt's prefill undiluted, which the mean step 1/(1 − ρp) hides.
+    `jumps`: (prefill seconds, rate per replica of prefills at least that long), longest first."""
     span = output_tokens * tpot
     stalls = rho_p * span + _Z95 * math.sqrt(span * prefill_m2)
+    # rare long prefills are not normal: if one of size ≥ s lands in more than 5% of the streams, the p95 holds it
+    for stall, rate in jumps:
+        if 1.0 - math.exp(-rate * span) >= _TAIL:
+            stalls = max(stalls, stall + rho_p * span)
+            break
     return step + stalls / (output_tokens - 1.0)
 
 
@@ -266,10 +278,12 @@ def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, params: S
     return Sizing(n, bottleneck, predict(role, demand, costs, n, params, True, prefill_backlog))
 
 
-def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0) -> float:
+def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0,
+                correlation_s: float = 0.0) -> float:
     """How much higher the demand will be `horizon_s` from now if it keeps its recent trend: 1 + slope · horizon /
     level from a least-squares line through (time, rate) samples; 1 for a flat or falling demand (the signal leads a
-    rise; a fall waits for the stabilization window anyway), at most `cap`."""
+    rise; a fall waits for the stabilization window anyway), at most `cap`. `correlation_s`: each sample is a rate
+    over this window, so samples closer than it are not independent and count as fewer in the slope's error."""
     points = list(samples)
     if len(points) < 3 or horizon_s <= 0.0:
         return 1.0
@@ -284,7 +298,8 @@ def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: f
     # only the part of the slope its noise cannot explain (two standard errors): a measured rate that wobbles
     # under constant load must not lead the signal up and down
     residual = sum((r - (mr + slope * (t - mt))) ** 2 for t, r in points) / max(1, n - 2)
-    slope -= 2.0 * math.sqrt(residual / var)
+    independent = n if correlation_s <= 0.0 else min(n, max(1.0, (points[-1][0] - points[0][0]) / correlation_s + 1))
+    slope -= 2.0 * math.sqrt(residual / var * n / independent)
     if slope <= 0.0 or level <= 0.0:
         return 1.0
     return min(cap, 1.0 + slope * horizon_s / level)
@@ -313,7 +328,9 @@ class Stabilizer:
         while history and history[0][0] < now - self.window_s:
             history.popleft()
         target = bounded(needed, low, high)
-        if self.desired is None or target > self.desired:
+        if self.desired is None:  # the first figure: what the demand measured needs (a lower bound could be less)
+            self._set(now, max(target, bounded(measured, low, high)))
+        elif target > self.desired:
             self._set(now, target)
         elif now - self.changed_at >= self.window_s:
             peak = bounded(max(n for _, n in history), low, high)
