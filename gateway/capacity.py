@@ -159,16 +159,10 @@ class CapacitySignal:
         for name, pool in list(gw.pools.items()):
             queued = traffic.get(name, {}).get("classes", {})
             demand = self._demand(name, finished, in_gateway, held_before, span, queued)
-            rate = sum(d.rate for d in demand)
-            levels = self._levels.setdefault(name, deque())
-            levels.append((now, rate))
-            while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
-                levels.popleft()
-            factor = lead_factor(levels, cfg.startup_s, correlation_s=cfg.window_s)
+            factor = self._lead(name, now, sum(d.rate for d in demand))
             # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
             # window holding a few requests more than usual is noise, not a target at risk
-            sure = self._demand(name, finished, in_gateway, held_before, span, queued, z=1.0)
-            led = [_scaled(d, factor) for d in sure]
+            led = [_scaled(d, factor) for d in self._demand(name, finished, in_gateway, held_before, span, queued, 1.0)]
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
             bounds = pool.config.capacity
             for role in roles:
@@ -193,6 +187,15 @@ class CapacitySignal:
                     name, role, current, desired, needed, measured, factor, demand, costs, now - stable.changed_at,
                     backlog, predict(role, led, costs, current, prefill_backlog=backlog),
                     predict(role, led, costs, desired, prefill_backlog=backlog))
+
+    def _lead(self, pool: str, now: float, rate: float) -> float:
+        """The pool's demand trend `startup_s` ahead (`lead_factor` over its recent total arrival rates)."""
+        cfg = self._gw.config.capacity
+        levels = self._levels.setdefault(pool, deque())
+        levels.append((now, rate))
+        while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
+            levels.popleft()
+        return lead_factor(levels, cfg.startup_s, correlation_s=cfg.window_s)
 
     def _mark_prefilled(self, now: float, keep_s: float) -> None:
         live = set()

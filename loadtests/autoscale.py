@@ -239,6 +239,8 @@ class Actuator:
         self.events: list[ScaleEvent] = []
         self.samples: list[tuple[float, int, int]] = []  # (t, in the pool, asked for)
         self._stopping: list[asyncio.Task[None]] = []
+        self.spares: list[Any] = []
+        self._restocking: list[asyncio.Task[None]] = []
 
     # counts
     @property
@@ -256,15 +258,33 @@ class Actuator:
     def urls(self) -> list[str]:
         return [r.sim.url for r in self.ready]
 
-    async def start_now(self, n: int) -> None:
-        """`n` replicas ready at once (the run's initial pool: started before the clock runs)."""
-        sims = await asyncio.gather(*(asyncio.to_thread(self._spawn) for _ in range(n)))
+    async def start_now(self, n: int, spares: int = 0) -> None:
+        """`n` replicas ready at once (the run's initial pool: started before the clock runs), and `spares` processes
+        kept started but out of the pool, so that a replica asked for later is ready `startup_s` after the ask
+        rather than whenever a busy machine gets a new Python process going (not billed until asked for)."""
+        sims = await asyncio.gather(*(asyncio.to_thread(self._spawn) for _ in range(n + spares)))
         now = self.clock()
-        for sim in sims:
+        for sim in sims[:n]:
             self.replicas.append(Replica(now, now, sim, joined_at=now))
+        self.spares = list(sims[n:])
 
     def _spawn(self) -> Any:
         return self._start_sim(32768, extra_args=self.sim_args)
+
+    async def _fresh(self) -> Any:
+        """A started replica with an empty cache: a spare (reset; another spare is started behind it) or a new one."""
+        if self.spares:
+            sim = self.spares.pop()
+            self._restocking.append(asyncio.get_running_loop().create_task(self._restock()))
+            await asyncio.to_thread(sim.reset)
+            return sim
+        return await asyncio.to_thread(self._spawn)
+
+    async def _restock(self) -> None:
+        try:
+            self.spares.append(await asyncio.to_thread(self._spawn))
+        except Exception:  # noqa: BLE001 - no spare: the next ask starts a process itself
+            pass
 
     async def scale_to(self, n: int, reason: str) -> None:
         n = max(1, n)
@@ -289,7 +309,7 @@ class Actuator:
 
     async def _boot(self, replica: Replica) -> None:
         try:
-            replica.sim = await asyncio.to_thread(self._spawn)
+            replica.sim = await self._fresh()
         except Exception as exc:  # noqa: BLE001 - a replica that did not start is reported, not fatal
             replica.failed = str(exc)[:200]
             return
@@ -335,6 +355,10 @@ class Actuator:
         return total
 
     async def close(self) -> None:
+        await asyncio.gather(*self._restocking, return_exceptions=True)  # a process being started is stopped too
+        for sim in self.spares:
+            await asyncio.to_thread(sim.stop)
+        self.spares = []
         for r in self.replicas:
             if r.removed_at is None:
                 r.removed_at = self.clock()

@@ -1,6 +1,6 @@
-"""bench_autoscale's machinery, briefly (not the benchmark): the actuator adds a simulated replica when asked, the
-gateway sends it traffic only once the start-up delay has passed and it is in the hot-reloaded pool file, and stops
-once it is removed; a tiny day through all four policies gives the table with its columns and verdicts."""
+"""bench_autoscale's machinery, briefly (not the benchmark): the actuator adds a simulated replica when asked (a spare
+process, restocked behind it), the gateway sends it traffic only once the start-up delay has passed and it is in the
+hot-reloaded pool file, and stops once it is removed; a tiny day through all four policies gives the table with its columns and verdicts."""
 
 from __future__ import annotations
 
@@ -45,14 +45,15 @@ async def _scenario(actuator: Actuator, gateway_url: str) -> dict[str, object]:
         await actuator.scale_to(1, "test")
         await asyncio.sleep(1.5)  # the reload
         after = [await _served_by(http, gateway_url) for _ in range(20)]
-    return {"seen": seen, "new": new.sim.url, "joined_s": new.joined_at - asked, "after": after,
+    return {"seen": seen, "new": new.sim.url, "spares": [sim.url for sim in actuator.spares], "joined_s": new.joined_at - asked, "after": after,
             "billed": actuator.replica_seconds(asked, removed_at), "span": removed_at - asked}
 
 
 def test_a_new_replica_gets_traffic_only_after_the_start_up_delay_and_none_once_removed() -> None:
     actuator = Actuator("t", {}, None, STARTUP_S, time.monotonic, sim_args=FAST_SIM)
-    asyncio.run(actuator.start_now(1))
+    asyncio.run(actuator.start_now(1, spares=1))
     first = actuator.urls()[0]
+    spare = actuator.spares[0].url
     config = gateway_config([first], Timescale(), max_replicas=4)
     gw = GatewayProc(config)
     try:
@@ -69,6 +70,7 @@ def test_a_new_replica_gets_traffic_only_after_the_start_up_delay_and_none_once_
     assert early and all(who == first for who in early)  # started, but not in the pool file yet
     assert out["new"] in late  # in the file: the gateway reloaded it and routes to it
     assert out["new"] not in out["after"] and set(out["after"]) == {first}  # removed: no new traffic
+    assert out["new"] == spare and len(out["spares"]) == 1 and spare not in out["spares"]  # a spare, restocked
     # billed from the ask, start-up included: the first replica the whole span, the new one until its removal
     assert float(out["billed"]) == pytest.approx(2 * float(out["span"]), rel=0.05)  # type: ignore[arg-type]
 
