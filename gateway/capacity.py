@@ -178,8 +178,9 @@ class CapacitySignal:
                         name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
                         predict(role, led, costs, current, prefill_backlog=backlog), None)
                     continue
-                if stable is None:
-                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s)
+                if stable is None:  # it starts from the replicas running: falling below them waits for the window
+                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current or None,
+                                                                     now)
                 stable.window_s = cfg.scale_down_stabilization_s
                 desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas,
                                         bounds.max_replicas)
