@@ -97,11 +97,11 @@ BASE_RATE = {"interactive": 1.2, "repository": 0.15}  # requests/s at multiplier
 
 @dataclass(frozen=True)
 class Timescale:
-    """`hour_s`: seconds of run per hour of the day; `control`: seconds of run per second of a control loop (0.1:
-    a 180 s start-up takes 18 s, a 300 s stabilization window 30 s, ten minutes 60 s)."""
+    """`hour_s`: seconds of run per hour of the day; `control`: seconds of run per second of a control loop (0.05:
+    a 180 s start-up takes 9 s, a 300 s stabilization window 15 s, ten minutes 30 s)."""
 
     hour_s: float = 15.0
-    control: float = 0.1
+    control: float = 0.05
     window_s: float = 20.0  # the signal's demand window: a measurement, sized by the requests it holds (below)
 
     def s(self, seconds: float) -> float:

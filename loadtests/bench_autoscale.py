@@ -15,9 +15,10 @@ day (a replica is billed from the ask, start-up included, to its removal), scale
 - constant load (the night and afternoon phases): at most one change in any ten minutes.
 
 Time: an hour of the day is `hour_s` seconds (15; 6 with --quick) and every control-loop time is multiplied by
-`control` (0.1; 0.04 with --quick): start-up 180 s → 18 s, the signal's stabilization 300 s → 30 s, KEDA's cooldown
-360 s → 36 s, the WVA's cycle 60 s → 6 s, ten minutes → 60 s. The day is thus compressed 240× and the control loops
-10×: ramps are short against start-up and windows, a harder day for every autoscaler than a real one.
+`control` (0.05; 0.02 with --quick): start-up 180 s → 9 s, the signal's stabilization 300 s → 15 s, KEDA's cooldown
+360 s → 18 s, the WVA's cycle 60 s → 3 s, ten minutes → 30 s. The day is thus compressed 240× and the control loops
+20×: ramps are 12× steeper against start-up and windows than in a real day, a harder day for every autoscaler. The
+signal's demand window is 20 s (10 s with --quick), not scaled: it is a measurement, sized by the requests it holds.
 """
 
 from __future__ import annotations
@@ -300,10 +301,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a shorter day (6 s an hour, control ×0.04; ~3 min)")
+    parser.add_argument("--quick", action="store_true", help="a shorter day (6 s an hour, control ×0.02; ~3 min)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--hour-s", type=float, default=None, help="seconds per hour of the day (default 15)")
-    parser.add_argument("--control", type=float, default=None, help="control-loop time factor (default 0.1)")
+    parser.add_argument("--control", type=float, default=None, help="control-loop time factor (default 0.05)")
     parser.add_argument("--fixed", type=int, default=None, help="the fixed pool's count (default: the autoscalers' "
                         "ceiling, 10, what the peak needs on a 2-core machine)")
     parser.add_argument("--initial", type=int, default=None, help="the autoscaled pools' first count (default: "
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default loadtests/results/<run>)")
     args = parser.parse_args(argv)
     scale = Timescale(hour_s=args.hour_s or (6.0 if args.quick else 15.0),
-                      control=args.control or (0.04 if args.quick else 0.1), window_s=10.0 if args.quick else 20.0)
+                      control=args.control or (0.02 if args.quick else 0.05), window_s=10.0 if args.quick else 20.0)
     day = Day(DAY, scale, args.seed)
     night, peak = planned(1.0), planned(4.0)
     fixed = args.fixed or MAX_REPLICAS
