@@ -49,20 +49,26 @@ async def _scenario(actuator: Actuator, gateway_url: str) -> dict[str, object]:
             "billed": actuator.replica_seconds(asked, removed_at), "span": removed_at - asked}
 
 
-def test_a_new_replica_gets_traffic_only_after_the_start_up_delay_and_none_once_removed() -> None:
+async def _run_with_gateway() -> tuple[dict[str, object], str, str]:
+    """One event loop for the actuator's whole life (its restocking tasks belong to it)."""
     actuator = Actuator("t", {}, None, STARTUP_S, time.monotonic, sim_args=FAST_SIM)
-    asyncio.run(actuator.start_now(1, spares=1))
-    first = actuator.urls()[0]
-    spare = actuator.spares[0].url
-    config = gateway_config([first], Timescale(), max_replicas=4)
-    gw = GatewayProc(config)
+    gw = None
     try:
+        await actuator.start_now(1, spares=1)
+        first, spare = actuator.urls()[0], actuator.spares[0].url
+        config = gateway_config([first], Timescale(), max_replicas=4)
+        gw = await asyncio.to_thread(GatewayProc, config)
         actuator.config, actuator.pool_file = config, gw.config_path
-        wait_gateway_sees(gw.url, 1, 30.0)
-        out = asyncio.run(_scenario(actuator, gw.url))
+        await asyncio.to_thread(wait_gateway_sees, gw.url, 1, 30.0)
+        return await _scenario(actuator, gw.url), first, spare
     finally:
-        gw.stop()
-        asyncio.run(actuator.close())
+        if gw is not None:
+            await asyncio.to_thread(gw.stop)
+        await actuator.close()
+
+
+def test_a_new_replica_gets_traffic_only_after_the_start_up_delay_and_none_once_removed() -> None:
+    out, first, spare = asyncio.run(_run_with_gateway())
     joined = float(out["joined_s"])  # type: ignore[arg-type]
     assert STARTUP_S <= joined < STARTUP_S + 2.0
     early = [who for t, who in out["seen"] if t < STARTUP_S]  # type: ignore[union-attr]
