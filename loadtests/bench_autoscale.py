@@ -72,8 +72,9 @@ def planned(mult: float) -> int:
 class Setup:
     """One policy's gateway and actuator."""
 
-    def __init__(self, name: str, initial: int, scale: Timescale) -> None:
+    def __init__(self, name: str, initial: int, scale: Timescale, spares: int = 0) -> None:
         self.name = name
+        self.spares = spares
         self.initial = initial
         self.scale = scale
         self.actuator = Actuator(name, {}, None, scale.s(180.0), monotonic)
@@ -83,7 +84,7 @@ class Setup:
     async def start(self) -> None:
         from loadtests.replicas import GatewayProc, wait_gateway_sees
 
-        await self.actuator.start_now(self.initial, 0 if self.name == "fixed" else SPARES)
+        await self.actuator.start_now(self.initial, self.spares)
         config = gateway_config(self.actuator.urls(), self.scale, MAX_REPLICAS)
         self.gateway = await asyncio.to_thread(GatewayProc, config)
         self.actuator.config = config
@@ -319,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     night, peak = planned(1.0), planned(4.0)
     fixed = args.fixed or MAX_REPLICAS
     initial = args.initial or night
-    setups = [Setup(name, fixed if name == "fixed" else initial, scale) for name in args.policies]
+    spares = 1 if args.quick else SPARES
+    setups = [Setup(name, fixed, scale) if name == "fixed" else Setup(name, initial, scale, spares)
+              for name in args.policies]
     print(f"day {day.duration_s:.0f} s, {scale}; planned night {night}, peak {peak}; fixed pool {fixed}", flush=True)
     summary = asyncio.run(_run(setups, day, drain_s=args.drain_s))
     summary.update({"planned": {"night": night, "peak": peak, "fixed": fixed}, "sim_costs": asdict(SIM_COSTS)})
