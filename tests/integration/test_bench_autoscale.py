@@ -83,7 +83,7 @@ def test_a_new_replica_gets_traffic_only_after_the_start_up_delay_and_none_once_
 
 def test_a_tiny_day_through_the_four_policies_gives_the_table(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    rc = bench_autoscale.main(["--hour-s", "0.4", "--control", "0.02", "--initial", "1", "--fixed", "1",
+    rc = bench_autoscale.main(["--quick", "--hour-s", "0.4", "--control", "0.02", "--initial", "1", "--fixed", "1",
                                "--drain-s", "10", "--out", str(tmp_path)])
     assert rc == 0
     printed = capsys.readouterr().out
