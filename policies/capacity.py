@@ -15,8 +15,9 @@ The model, per replica at N replicas (arrivals spread evenly, as the replica pol
   `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica), the mean wait by
   Pollaczek–Khinchine, its tail by the usual exponential approximation (P(wait > t) ≈ ρ · e^(−t ρ / E[W])). TTFT
   p95 of a class = wait p95 + its own service. A load-aware router does better than N queues of random shares
-  (an M/G/N pool would be the other bound), but one that keeps prefixes where they are cached sends a prompt to a
-  replica busy with a long prefill: bench_autoscale measured waits beyond even this model (docs/performance.md).
+  (an M/G/N pool is the other bound), one that keeps prefixes where they are cached worse: bench_autoscale measured
+  the TTFT p95 1.4–2.8× below this model on a calm machine and up to 2.5× above it on a loaded one, where an
+  M/G/N version erred lower still (docs/performance.md).
   The engine batches several prefills into one step, so this errs high when many short prompts arrive together.
 - KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
