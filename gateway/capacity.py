@@ -23,7 +23,9 @@ state, or Redis unreachable) the gateway sizes for the requests it sees itself; 
 
 A fresh gateway publishes nothing for its first `window_s` (it has seen too little to ask for fewer replicas than
 run) unless running gateways share their signal's memory, which it then starts from; from then on the `Stabilizer`
-rules apply.
+rules apply: rises sized on the arrival
+rates' lower bound (one Poisson standard deviation below the count, led by the trend) and falls on the window's
+peak of the rates as measured, so that a few requests more or fewer in a window move nothing.
 
 `observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
 everything else runs on the timer.
@@ -65,6 +67,8 @@ class CapacitySignal:
         self._mix: dict[tuple[str, str], tuple[float, float, float]] = {}  # last known (prompt, cached, output) means
         self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
         self._stable: dict[tuple[str, str], Stabilizer] = {}
+        self._prefilled: dict[str, deque[tuple[float, int]]] = {}  # replica → (time, its prefilled-token counter)
+        self._span = float(gateway.config.capacity.window_s)  # the last window's length: for the rates' bounds
         self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, role) → GET /admin/capacity's entry
         self.local: DemandShare | None = None  # this gateway's own share at the last tick
         self.source = ("local", 1)  # where the last tick's demand came from, and how many gateways it sums
@@ -102,8 +106,21 @@ class CapacitySignal:
             cost = self.decode_costs.get(pool)
             if cost is None:
                 cost = self.decode_costs[pool] = DecodeCost()
+            span = record.t_last_byte - record.t_first_byte
             cost.learn(batch, prompt + completion / 2.0,
-                       (record.t_last_byte - record.t_first_byte) / (completion - 1))
+                       span * self._decode_share(pool, replica, record.t_first_byte, span) / (completion - 1))
+
+    def _decode_share(self, pool: str, replica: Any, start: float, span: float) -> float:
+        """The share of a stream's time its replica spent on decode steps: the prompts other requests prefilled
+        meanwhile (the replica's prefilled-token counter, sampled each interval, × the pool's learnt prefill cost)
+        stretched its steps, and the model adds that stretch back from the demand (1 / (1 − ρp)); learning it
+        into the decode step would count it twice."""
+        marks = self._prefilled.get(replica.url)
+        model = self._gw.latency.get(pool)
+        if not marks or model is None or span <= 0.0:
+            return 1.0
+        tokens = _at(marks, start + span, replica.prefilled_tokens) - _at(marks, start, replica.prefilled_tokens)
+        return max(0.1, 1.0 - model.cost.c * 1e-3 * max(0.0, tokens) / span)
 
     # the timer ---------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,7 +178,7 @@ class CapacitySignal:
         while len(self._closed) > 1 and self._closed[0][0] <= now - cfg.window_s:
             end, _, held = self._closed.popleft()
             self._start = (end, held)
-        span = max(now - self._start[0], 1e-3)
+        span = self._span = max(now - self._start[0], 1e-3)
         share = DemandShare()
         for _, sums, _ in self._closed:
             for key, values in sums.items():
@@ -213,15 +230,13 @@ class CapacitySignal:
             self.entries.pop(key, None)
         for name in [n for n in self._levels if n not in live]:
             del self._levels[name]
+        self._mark_prefilled(now, max(cfg.window_s, 60.0))
         for name, pool in list(gw.pools.items()):
             demand = self._demand(name, merged)
-            rate = sum(d.rate for d in demand)
-            levels = self._levels.setdefault(name, deque())
-            levels.append((now, rate))
-            while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
-                levels.popleft()
-            factor = lead_factor(levels, cfg.startup_s)
-            led = [_scaled(d, factor) for d in demand] if factor > 1.0 else demand
+            factor = self._lead(name, now, sum(d.rate for d in demand))
+            # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
+            # window holding a few requests more than usual is noise, not a target at risk
+            led = [_scaled(d, factor) for d in self._demand(name, merged, z=1.0)]
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
             bounds = pool.config.capacity
             for role in roles:
@@ -229,7 +244,7 @@ class CapacitySignal:
                 current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
                 backlog = merged.backlog.get((name, role), 0.0)
                 measured = size(role, demand, costs, prefill_backlog=backlog)
-                needed = size(role, led, costs, prefill_backlog=backlog) if led is not demand else measured
+                needed = size(role, led, costs, prefill_backlog=backlog)
                 stable = self._stable.get((name, role))
                 if stable is None and (name, role) in merged.stable:
                     stable = self._stable[(name, role)] = _seeded(now, merged.stable[(name, role)], cfg)
@@ -238,8 +253,9 @@ class CapacitySignal:
                         name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
                         predict(role, led, costs, current, prefill_backlog=backlog), None)
                     continue
-                if stable is None:
-                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s)
+                if stable is None:  # it starts from the replicas running: falling below them waits for the window
+                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current or None,
+                                                                     now)
                 stable.window_s = cfg.scale_down_stabilization_s
                 desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas,
                                         bounds.max_replicas)
@@ -248,7 +264,30 @@ class CapacitySignal:
                     backlog, predict(role, led, costs, current, prefill_backlog=backlog),
                     predict(role, led, costs, desired, prefill_backlog=backlog))
 
-    def _demand(self, pool: str, share: DemandShare) -> list[ClassDemand]:
+    def _lead(self, pool: str, now: float, rate: float) -> float:
+        """The pool's demand trend `startup_s` ahead (`lead_factor` over its recent total arrival rates)."""
+        cfg = self._gw.config.capacity
+        levels = self._levels.setdefault(pool, deque())
+        levels.append((now, rate))
+        while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
+            levels.popleft()
+        return lead_factor(levels, cfg.startup_s, correlation_s=cfg.window_s)
+
+    def _mark_prefilled(self, now: float, keep_s: float) -> None:
+        live = set()
+        for pool in self._gw.pools.values():
+            for replica in pool.replicas.values():
+                live.add(replica.url)
+                marks = self._prefilled.setdefault(replica.url, deque())
+                marks.append((now, replica.prefilled_tokens))
+                while marks and marks[0][0] < now - keep_s:
+                    marks.popleft()
+        for url in [u for u in self._prefilled if u not in live]:
+            del self._prefilled[url]
+
+    def _demand(self, pool: str, share: DemandShare, z: float = 0.0) -> list[ClassDemand]:
+        """Each class's demand on `pool` over the window; with `z` > 0 its arrival rate `z` Poisson standard
+        deviations below the count (a lower bound)."""
         classes = self._gw.config.traffic.classes
         keys = {k for k in (*share.rates, *share.sums, *share.queued) if k[0] == pool}
         out = []
@@ -266,7 +305,7 @@ class CapacitySignal:
             ttft = dict(targets.get("ttft", ())).get("p95")
             tpot = dict(targets.get("tpot", ())).get("p95")
             out.append(ClassDemand(
-                key[1], share.rates.get(key, 0.0), prompt, max(0.0, prompt - cached), output,
+                key[1], _lower(share.rates.get(key, 0.0), self._span, z), prompt, max(0.0, prompt - cached), output,
                 None if ttft is None else ttft / 1000.0, None if tpot is None else tpot / 1000.0,
                 share.queued.get(key, 0.0)))
         return out
@@ -336,6 +375,26 @@ def _seeded(now: float, shared: StableShare, cfg: Any) -> Stabilizer:
     return stable
 
 
+def _at(marks: deque[tuple[float, int]], t: float, now_value: int) -> float:
+    """A counter's value at time t, linear between its samples (its current value after the last one)."""
+    prev: tuple[float, float] | None = None
+    for when, value in marks:
+        if when >= t:
+            if prev is None or when <= prev[0]:
+                return float(value)
+            return prev[1] + (value - prev[1]) * (t - prev[0]) / (when - prev[0])
+        prev = (when, float(value))
+    return float(now_value)
+
+
+def _lower(rate: float, span: float, z: float) -> float:
+    """An arrival rate `z` Poisson standard deviations below the count it was measured from over `span` seconds."""
+    if z <= 0.0:
+        return rate
+    arrived = rate * span
+    return max(0.0, arrived - z * math.sqrt(arrived)) / span
+
+
 def _scaled(demand: ClassDemand, factor: float) -> ClassDemand:
     return ClassDemand(demand.name, demand.rate * factor, demand.prompt_tokens, demand.uncached_tokens,
                        demand.output_tokens, demand.ttft_p95_s, demand.tpot_p95_s, demand.queued)
@@ -360,7 +419,7 @@ def _entry(pool: str, role: str, current: int, desired: int | None, needed: Sizi
            backlog: float, at_current: Prediction, at_desired: Prediction | None) -> dict[str, Any]:
     return {
         "pool": pool, "role": role, "current": current, "desired": desired,
-        "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead included)
+        "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead, lower bound)
         "needed_now": measured.replicas,  # for the demand measured now
         "bottleneck": needed.bottleneck,
         "since_change_s": None if since_change_s is None else round(since_change_s, 1),  # None: still measuring

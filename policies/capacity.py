@@ -2,24 +2,30 @@
 p95 targets at a given demand, queueing included; and how that number is turned into a signal an autoscaler can
 follow without flapping.
 
-The model, per replica at N replicas (arrivals split evenly, as the replica policy spreads them):
+The model, per replica at N replicas (arrivals spread evenly, as the replica policy spreads them):
 
 - Decode. A step of `B` sequences takes `d0 + g · B` seconds (`DecodeCost`, g the per-sequence cost at the mean
   context). Little's law gives `B = Λo · TPOT` (Λo: output tokens per second per replica), and prefill work sharing
   the step (an aggregated replica with chunked prefill) stretches it by 1/(1 − ρp), ρp the share of the GPU the
   prefill tokens take. So TPOT = d0 / (1 − ρp − g · Λo): the utilisation law, with a pole where the replica is
-  full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B).
+  full. TPOT p95 is the step at the 95th percentile of the batch (Poisson: B + 1.645 √B), or, where larger, a
+  class's decode steps plus the prefills that stall it at their 95th percentile (compound Poisson over the time
+  it decodes): a 32-token answer that meets one 4,000-token prefill is slowed by its whole length.
 - Prefill. An M/G/1 queue per replica: a request's service is `a + c · uncached / (1 − ρd)` (the learnt step cost
   `PrefillCost`, slowed by the share ρd = g · Λo the decode batch takes on an aggregated replica), the mean wait by
   Pollaczek–Khinchine, its tail by the usual exponential approximation (P(wait > t) ≈ ρ · e^(−t ρ / E[W])). TTFT
-  p95 of a class = wait p95 + its own service. The engine batches several prefills into one step, so this errs
-  high when many short prompts arrive together: the signal leans to one replica too many, never too few.
+  p95 of a class = wait p95 + its own service. A load-aware router does better than N queues of random shares
+  (an M/G/N pool is the other bound), one that keeps prefixes where they are cached worse: bench_autoscale measured
+  the TTFT p95 1.4–2.8× below this model on a calm machine and up to 2.5× above it on a loaded one, where an
+  M/G/N version erred lower still (docs/performance.md).
+  The engine batches several prefills into one step, so this errs high when many short prompts arrive together.
 - KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
   shared (conservative: shared prefixes hold one copy).
 - The gateway's queue. Requests already waiting there are work that has arrived: they are added to the demand as a
   rate that clears them within `backlog_clear_s`; so are the uncached tokens sent to the replicas and not yet
-  prefilled (`prefill_backlog`), which show a pile-up before any of its answers has come back.
+  prefilled (`prefill_backlog`) beyond what the measured rates hold in prefill anyway (Little's law), which show
+  a pile-up before any of its answers has come back.
 
 `size` returns the smallest N that meets every target and the bottleneck that set it: `prefill_compute` (TTFT),
 `decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, or `gateway_queue`
@@ -28,7 +34,8 @@ TPOT and KV.
 
 `Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
 the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
-the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead.
+the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead
+(the part of its slope beyond two standard errors, so that noise under constant load is not a trend).
 
 Pure: no clock, no I/O; the gateway (gateway/capacity.py) and `m3gate plan` feed it.
 """
@@ -158,7 +165,9 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
         services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else inf for d in demand]
         prefill_util = sum(p * s for p, s in zip(per, services))
         if prefill_backlog > 0.0 and slow > 0.0:
-            prefill_util += prefill_backlog * c / slow / (n * params.backlog_clear_s)
+            excess = prefill_backlog - n * _in_prefill(per, demand, services, prefill_util)
+            if excess > 0.0:
+                prefill_util += excess * c / slow / (n * params.backlog_clear_s)
         if prefill_util >= 1.0:
             wait95 = inf
         elif lam > 0.0 and prefill_util > 0.0:
@@ -167,9 +176,18 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
             if prefill_util > _TAIL and mean_wait > 0.0:
                 wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
     classes = {}
+    prefill_m2 = c * c * sum(p * d.uncached_tokens ** 2 for p, d in zip(per, demand)) if rho_p > 0.0 else 0.0
+    jumps, longer = [], 0.0
+    for p, d in sorted(zip(per, demand), key=lambda x: -x[1].uncached_tokens):
+        longer += p
+        jumps.append((c * d.uncached_tokens, longer))
     for d, s in zip(demand, services):
         ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
-        classes[d.name] = ClassPrediction(ttft, tpot95 if decode_side else 0.0)
+        own = tpot95
+        if rho_p > 0.0 and tpot < inf and d.output_tokens > 1.0:
+            own = max(tpot95, _tpot95_tail(costs.decode_step_s + g * batch, tpot, rho_p, prefill_m2, d.output_tokens,
+                                           jumps))
+        classes[d.name] = ClassPrediction(ttft, own if decode_side else 0.0)
     # KV
     kv_usage = None
     if decode_side and costs.kv_tokens:
@@ -190,6 +208,35 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     if kv_usage is not None and kv_usage > params.kv_limit:
         meets["kv_memory"] = False
     return Prediction(n, classes, utilisation, kv_usage, meets)
+
+
+def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, output_tokens: float,
+                 jumps: Sequence[tuple[float, float]] = ()) -> float:
+    """A stream's TPOT at its 95th percentile on an aggregated replica: its decode steps (`step` each) plus the
+    prefills that land on the replica while it decodes, which stall it whole. Over a stream of `output_tokens` at
+    the mean `tpot` (D seconds) they are compound Poisson: mean ρp · D, variance D · Σλ·s² (`prefill_m2`, per
+    replica); a short answer meets a long prompt's prefill undiluted, which the mean step 1/(1 − ρp) hides.
+    `jumps`: (prefill seconds, rate per replica of prefills at least that long), longest first."""
+    span = output_tokens * tpot
+    stalls = rho_p * span + _Z95 * math.sqrt(span * prefill_m2)
+    # rare long prefills are not normal: if one of size ≥ s lands in more than 5% of the streams, the p95 holds it
+    for stall, rate in jumps:
+        if 1.0 - math.exp(-rate * span) >= _TAIL:
+            stalls = max(stalls, stall + rho_p * span)
+            break
+    return step + stalls / (output_tokens - 1.0)
+
+
+def _in_prefill(per: Sequence[float], demand: Sequence[ClassDemand], services: Sequence[float],
+               util: float) -> float:
+    """Uncached tokens a replica holds between arrival and first token in the steady state at this demand (Little's
+    law: rate × tokens × (mean wait + service)); a backlog beyond it is a pile-up the rates do not show yet."""
+    if util >= 1.0:
+        return math.inf
+    lam = sum(per)
+    second = sum(p * s * s for p, s in zip(per, services)) / lam if lam > 0.0 else 0.0
+    wait = lam * second / (2.0 * (1.0 - util))
+    return sum(p * d.uncached_tokens * (wait + s) for p, d, s in zip(per, demand, services))
 
 
 def _smallest(ok: Callable[[int], bool], ceiling: int) -> int:
@@ -232,10 +279,12 @@ def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, params: S
     return Sizing(n, bottleneck, predict(role, demand, costs, n, params, True, prefill_backlog))
 
 
-def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0) -> float:
+def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0,
+                correlation_s: float = 0.0) -> float:
     """How much higher the demand will be `horizon_s` from now if it keeps its recent trend: 1 + slope · horizon /
     level from a least-squares line through (time, rate) samples; 1 for a flat or falling demand (the signal leads a
-    rise; a fall waits for the stabilization window anyway), at most `cap`."""
+    rise; a fall waits for the stabilization window anyway), at most `cap`. `correlation_s`: each sample is a rate
+    over this window, so samples closer than it are not independent and count as fewer in the slope's error."""
     points = list(samples)
     if len(points) < 3 or horizon_s <= 0.0:
         return 1.0
@@ -247,6 +296,11 @@ def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: f
         return 1.0
     slope = sum((t - mt) * (r - mr) for t, r in points) / var
     level = mr + slope * (points[-1][0] - mt)  # the line's value now
+    # only the part of the slope its noise cannot explain (two standard errors): a measured rate that wobbles
+    # under constant load must not lead the signal up and down
+    residual = sum((r - (mr + slope * (t - mt))) ** 2 for t, r in points) / max(1, n - 2)
+    independent = n if correlation_s <= 0.0 else min(n, max(1.0, (points[-1][0] - points[0][0]) / correlation_s + 1))
+    slope -= 2.0 * math.sqrt(residual / var * n / independent)
     if slope <= 0.0 or level <= 0.0:
         return 1.0
     return min(cap, 1.0 + slope * horizon_s / level)
@@ -275,7 +329,9 @@ class Stabilizer:
         while history and history[0][0] < now - self.window_s:
             history.popleft()
         target = bounded(needed, low, high)
-        if self.desired is None or target > self.desired:
+        if self.desired is None:  # the first figure: what the demand measured needs (a lower bound could be less)
+            self._set(now, max(target, bounded(measured, low, high)))
+        elif target > self.desired:
             self._set(now, target)
         elif now - self.changed_at >= self.window_s:
             peak = bounded(max(n for _, n in history), low, high)

@@ -53,6 +53,7 @@ class LoadGuard:
         if replica is not None and prefill:
             self._prefill = 0
             replica.prefill_tokens -= prefill
+            replica.prefilled_tokens += prefill
 
     def release(self) -> None:
         replica, self._replica = self._replica, None
@@ -91,6 +92,7 @@ class Replica:
     in_flight: int = 0
     in_flight_tokens: int = 0
     prefill_tokens: int = 0  # uncached prompt tokens sent to it that have not reached their first token yet
+    prefilled_tokens: int = 0  # uncached prompt tokens of its requests that reached their first token, ever
     step_start: float = 0.0  # its virtual prefill step clock (monotonic): the last planned step's start and end,
     step_end: float = 0.0
     step_tokens: int = 0  # and its uncached tokens
