@@ -241,9 +241,8 @@ class Coordinator:
     async def pick(
         self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes
     ) -> tuple[list[Target], Mapping[str, RoutingRequest]]:
-        """The targets `forward` would try, for a front door that forwards elsewhere (the endpoint picker,
-        gateway/epp.py), and per pool the request as precise routing saw it. Raises the same 503 (no replica) and
-        429 (shed) that `forward` does."""
+        """The targets to try, in order, and per pool the request as precise routing saw it: what `forward` sends to,
+        and what the endpoint picker (gateway/epp.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
         gw = self.gw
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)
@@ -272,16 +271,7 @@ class Coordinator:
         """Send to the chosen replica; before the first byte, a failure is retried once on the next target; after
         it, `resumer` resumes the stream on another replica."""
         gw = self.gw
-        routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
-        targets = self.choose_replicas(choice, routing, routings)
-        if not targets:
-            raise UpstreamFailure(
-                503,
-                f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
-                "no_healthy_replica",
-            )
-        if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
-            raise _shed(record, targets[0])
+        targets, routings = await self.pick(record, choice, routing, payload)
         # one disconnect watcher for the whole request, not a task per await
         attempt = Attempt(request, record, profile, strip_usage, gw.watches.watch(request.receive), resumer=resumer)
         try:
