@@ -290,21 +290,13 @@ class Exchange:
         return 0 if profile is None else profile.prompt_tokens
 
     def _dispatch(self, target: Target, dispatched_as: RoutingRequest, routing: RoutingRequest) -> dict[str, str]:
-        """What `Upstream.send` does before its call: the record's fields, the replica's in-flight count (held until
-        the stream ends), the policies' bookkeeping; returns the headers the replica gets (traceparent, pool key)."""
+        """`Upstream.dispatch` for the pick (the replica's in-flight count held until the stream ends); returns the
+        headers the replica gets (traceparent, pool key)."""
         record, profile = self.record, self.profile
         assert record is not None and profile is not None
-        record.attempts, record.retried = 1, False
-        record.pool, record.replica = target.pool.name, target.replica.url
-        record.reason, record.matched_blocks, record.decision = target.reason, target.matched_blocks, target.decision
-        uncached = profile.prompt_tokens - target.matched_blocks * target.pool.config.block_size
-        self.guard = target.replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached))
         headers: dict[str, str] = {}
-        self.picker.gw.telemetry.inject(record, headers)
-        key = target.pool.config.api_key
-        if key is not None:
-            headers["authorization"] = f"Bearer {key.get_secret_value()}"
-        self.picker.coordinator.upstream._dispatched(record, target, dispatched_as, routing)
+        self.guard = self.picker.coordinator.upstream.dispatch(record, profile, target, routing, headers,
+                                                               dispatched_as=dispatched_as)
         return headers
 
     async def refuse(self, exc: RequestRejected) -> None:
