@@ -43,7 +43,6 @@ from gateway.record import RequestRecord
 from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
 from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
-from policies.vllm_wire import usage_counts
 from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.capacity")
@@ -90,7 +89,7 @@ class CapacitySignal:
         usage = record.usage
         if not usage or record.status != 200:
             return
-        prompt, completion, cached = usage_counts(usage)
+        prompt, completion, cached = record.tokens()
         sums[_ANSWERED] += 1.0
         sums[_PROMPT] += prompt
         sums[_CACHED] += cached

@@ -15,7 +15,7 @@ import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -55,6 +55,18 @@ CLASSIFY_IN_THREAD_BYTES = 64 * 1024
 _SLO_TTFT_RAW, _SLO_TPOT_RAW = SLO_TTFT_HEADER.encode(), SLO_TPOT_HEADER.encode()
 MAX_ATTEMPTS = 2
 
+class Prepared(NamedTuple):
+    """A request decided up to its replicas (`Coordinator.prepare`): what a front door sends on."""
+
+    body: dict[str, Any]
+    profile: RequestProfile
+    choice: PoolChoice  # as admission left it
+    routing: RoutingRequest  # with its objectives
+    payload: bytes  # the body the replica gets
+    strip_usage: bool  # the usage chunk was asked for by the gateway, not the client
+    refused: str | None  # why the stream cannot be resumed elsewhere (None: it can, or it is no resumable stream)
+
+
 class Coordinator:
     """Serves the generate endpoints over one `Gateway`'s state."""
 
@@ -74,38 +86,13 @@ class Coordinator:
         try:
             client = gw.traffic.authenticate(request)  # no key, no body read, no pool
             raw = await receive_body(request, gw.config.server.max_body_bytes, gw.traffic.body_deadline)
-            body = parse_json_object(raw)
-            check_model(body, gw.served_models)
-            gw.traffic.check_input(body, api)
-            sessions = gw.sessions
-            session = sessions.begin(record, request.scope["headers"], body, api, gw.clock()) if sessions is not None \
-                else session_key(request, body)
-            profile = await self.classify(body, api, len(raw))
-            record.stream = profile.stream
-            record.thinking_mode = profile.thinking_mode
-            estimated = profile.prompt_tokens
-            choice, profile = await self.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
-            record.prompt_tokens_est = profile.prompt_tokens
-            record.prompt_tokens_raw = 0 if profile.model_counted else estimated
-            record.first_pool, record.pool_reason = choice.pool.name, choice.reason
-            record.max_tokens = profile.output_budget if profile.budget_explicit else None
-            record.t_classified = gw.clock()
-            routing = RoutingRequest(
-                prompt_tokens=profile.prompt_tokens,
-                output_budget=profile.output_budget,
-                block_hashes=self.prefix_blocks(body, api),
-                session_key=session,
-            )
-            record.t_routed = gw.clock()
-            admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
-            routing = self.with_slos(request, record, routing)
-            refused = refusal(body, api) if profile.stream and gw.config.routing.migration.enabled else None
-            payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream, admitted.priority,
-                                                    token_ids=profile.stream and refused is None)
-            resumer = self.resumer(record, body, api, payload, strip_usage, admitted.choice, routing, refused) \
-                if profile.stream and gw.config.routing.migration.enabled and api in ("chat", "completions") else None
-            return await self.forward(request, record, admitted.choice, profile, routing, payload, strip_usage,
-                                      resumer)
+            ready = await self.prepare(request, record, client, raw, api)
+            resumer = self.resumer(record, ready.body, api, ready.payload, ready.strip_usage, ready.choice,
+                                   ready.routing, ready.refused) \
+                if ready.profile.stream and gw.config.routing.migration.enabled and api in ("chat", "completions") \
+                else None
+            return await self.forward(request, record, ready.choice, ready.profile, ready.routing, ready.payload,
+                                      ready.strip_usage, resumer)
         except RequestRejected as exc:
             record.status, record.error = exc.status, exc.code or exc.type
             await self.finished(record)
@@ -120,6 +107,44 @@ class Coordinator:
             record.error = record.error or type(exc).__name__
             await self.finished(record)
             raise
+
+    async def prepare(self, request: Request, record: RequestRecord, client: Any, raw: bytes, api: str, *,
+                      usage: bool = True, resumable: bool = True) -> Prepared:
+        """Both front doors' decisions, in one order (`serve` forwards the result, the endpoint picker hands Envoy
+        a pick): input checks, session, classify, choose a pool, admit (may wait), objectives, the upstream body.
+        `usage`: a stream asks vLLM for its usage chunk; `resumable`: a stream may be resumed elsewhere, so asks
+        for token ids (the picker relays nothing itself: neither)."""
+        gw = self.gw
+        body = parse_json_object(raw)
+        check_model(body, gw.served_models)
+        gw.traffic.check_input(body, api)
+        sessions = gw.sessions
+        session = sessions.begin(record, request.scope["headers"], body, api, gw.clock()) if sessions is not None \
+            else session_key(request, body)
+        profile = await self.classify(body, api, len(raw))
+        record.stream = profile.stream
+        record.thinking_mode = profile.thinking_mode
+        estimated = profile.prompt_tokens
+        choice, profile = await self.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
+        record.prompt_tokens_est = profile.prompt_tokens
+        record.prompt_tokens_raw = 0 if profile.model_counted else estimated
+        record.first_pool, record.pool_reason = choice.pool.name, choice.reason
+        record.max_tokens = profile.output_budget if profile.budget_explicit else None
+        record.t_classified = gw.clock()
+        routing = RoutingRequest(
+            prompt_tokens=profile.prompt_tokens,
+            output_budget=profile.output_budget,
+            block_hashes=self.prefix_blocks(body, api),
+            session_key=session,
+        )
+        record.t_routed = gw.clock()
+        admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
+        routing = self.with_slos(request, record, routing)
+        resume = resumable and profile.stream
+        refused = refusal(body, api) if resume and gw.config.routing.migration.enabled else None
+        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream and usage,
+                                                admitted.priority, token_ids=resume and refused is None)
+        return Prepared(body, profile, admitted.choice, routing, payload, strip_usage, refused)
 
     # 1. classify -------------------------------------------------------------------------------------------
     async def classify(self, body: dict[str, Any], api: str, body_size: int) -> RequestProfile:
@@ -241,9 +266,8 @@ class Coordinator:
     async def pick(
         self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes
     ) -> tuple[list[Target], Mapping[str, RoutingRequest]]:
-        """The targets `forward` would try, for a front door that forwards elsewhere (the endpoint picker,
-        gateway/epp.py), and per pool the request as precise routing saw it. Raises the same 503 (no replica) and
-        429 (shed) that `forward` does."""
+        """The targets to try, in order, and per pool the request as precise routing saw it: what `forward` sends to,
+        and what the endpoint picker (gateway/epp.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
         gw = self.gw
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)
@@ -272,16 +296,7 @@ class Coordinator:
         """Send to the chosen replica; before the first byte, a failure is retried once on the next target; after
         it, `resumer` resumes the stream on another replica."""
         gw = self.gw
-        routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
-        targets = self.choose_replicas(choice, routing, routings)
-        if not targets:
-            raise UpstreamFailure(
-                503,
-                f"No healthy replica in pool '{choice.pool.name}' or any larger pool it may spill to; retry shortly.",
-                "no_healthy_replica",
-            )
-        if targets[0].reason == "slo_expected_miss" and self._sheddable(record):
-            raise _shed(record, targets[0])
+        targets, routings = await self.pick(record, choice, routing, payload)
         # one disconnect watcher for the whole request, not a task per await
         attempt = Attempt(request, record, profile, strip_usage, gw.watches.watch(request.receive), resumer=resumer)
         try:

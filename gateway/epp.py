@@ -34,12 +34,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message
 
 from gateway import epp_wire as wire
-from gateway.admission import Admitted
-from gateway.bodies import check_model, parse_json_object
-from gateway.coordinator import Coordinator, session_key
+from gateway.coordinator import Coordinator
 from gateway.errors import UpstreamFailure, error_body
 from gateway.record import RequestRecord
-from gateway.relay import SseFilter, upstream_payload
+from gateway.relay import SseFilter
 from gateway.routes import GENERATE_PATHS
 from gateway.upstream import Target
 from policies.classify import RequestProfile
@@ -241,38 +239,17 @@ class Exchange:
 
     async def _choose(self, request: Request, record: RequestRecord, raw: bytes
                       ) -> tuple[bytes, list[str], dict[str, str]]:
-        """`Coordinator.serve`'s steps up to the replicas; returns the body to send, the `ip:port` list and the
+        """`Coordinator.prepare`'s decisions, then the pick; returns the body to send, the `ip:port` list and the
         headers to set."""
         coordinator = self.picker.coordinator
-        gw = coordinator.gw
-        api = self.api
-        body = parse_json_object(raw)
-        check_model(body, gw.served_models)
-        gw.traffic.check_input(body, api)
-        sessions = gw.sessions
-        session = sessions.begin(record, request.scope["headers"], body, api, gw.clock()) if sessions is not None \
-            else session_key(request, body)
-        profile = await coordinator.classify(body, api, len(raw))
-        record.stream, record.thinking_mode = profile.stream, profile.thinking_mode
-        estimated = profile.prompt_tokens
-        choice, profile = await coordinator.choose_pool(profile, body, api, request.headers.get("x-m3gate-pool"))
-        record.prompt_tokens_est = profile.prompt_tokens
-        record.prompt_tokens_raw = 0 if profile.model_counted else estimated
-        record.first_pool, record.pool_reason = choice.pool.name, choice.reason
-        record.max_tokens = profile.output_budget if profile.budget_explicit else None
-        record.t_classified = gw.clock()
-        routing = RoutingRequest(prompt_tokens=profile.prompt_tokens, output_budget=profile.output_budget,
-                                 block_hashes=coordinator.prefix_blocks(body, api), session_key=session)
-        record.t_routed = gw.clock()
-        admitted: Admitted = await gw.traffic.admit(request, record, self.client, profile, choice)
-        routing = coordinator.with_slos(request, record, routing)
-        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream and self.picker.full,
-                                                admitted.priority)
-        targets, routings = await coordinator.pick(record, admitted.choice, routing, payload)
+        ready = await coordinator.prepare(request, record, self.client, raw, self.api, usage=self.picker.full,
+                                          resumable=False)
+        profile, routing = ready.profile, ready.routing
+        targets, routings = await coordinator.pick(record, ready.choice, routing, ready.payload)
         targets = await self._within_subset(targets)
         self.profile, self.targets = profile, targets
-        self.filter = SseFilter(strip_usage) if profile.stream else None
-        return payload, [await self.picker.addresses.of(t.replica.url) for t in targets], \
+        self.filter = SseFilter(ready.strip_usage) if profile.stream else None
+        return ready.payload, [await self.picker.addresses.of(t.replica.url) for t in targets], \
             self._dispatch(targets[0], routings.get(targets[0].pool.name, routing), routing)
 
     async def _within_subset(self, targets: list[Target]) -> list[Target]:
@@ -313,21 +290,13 @@ class Exchange:
         return 0 if profile is None else profile.prompt_tokens
 
     def _dispatch(self, target: Target, dispatched_as: RoutingRequest, routing: RoutingRequest) -> dict[str, str]:
-        """What `Upstream.send` does before its call: the record's fields, the replica's in-flight count (held until
-        the stream ends), the policies' bookkeeping; returns the headers the replica gets (traceparent, pool key)."""
+        """`Upstream.dispatch` for the pick (the replica's in-flight count held until the stream ends); returns the
+        headers the replica gets (traceparent, pool key)."""
         record, profile = self.record, self.profile
         assert record is not None and profile is not None
-        record.attempts, record.retried = 1, False
-        record.pool, record.replica = target.pool.name, target.replica.url
-        record.reason, record.matched_blocks, record.decision = target.reason, target.matched_blocks, target.decision
-        uncached = profile.prompt_tokens - target.matched_blocks * target.pool.config.block_size
-        self.guard = target.replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached))
         headers: dict[str, str] = {}
-        self.picker.gw.telemetry.inject(record, headers)
-        key = target.pool.config.api_key
-        if key is not None:
-            headers["authorization"] = f"Bearer {key.get_secret_value()}"
-        self.picker.coordinator.upstream._dispatched(record, target, dispatched_as, routing)
+        self.guard = self.picker.coordinator.upstream.dispatch(record, profile, target, routing, headers,
+                                                               dispatched_as=dispatched_as)
         return headers
 
     async def refuse(self, exc: RequestRejected) -> None:

@@ -13,13 +13,10 @@ Four feeds, each at the moment it has something to learn from:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from gateway.record import RequestRecord
 from gateway.runtime import Gateway
 from policies.replica_choice import RoutingDecision
-from policies.vllm_wire import usage_counts
 from pools.replicas import Replica
 
 log = logging.getLogger("m3gate")
@@ -56,20 +53,20 @@ class Learning:
         if record.status != 200:
             return
         if replica is not None:
-            prompt, completion, cached = usage_counts(record.usage)
+            prompt, completion, cached = record.tokens()
             pd = record.pd
             replica.observe_latency(  # a P/D decode replica pulled its prompt: no prefill rate to learn
                 0 if pd is not None and pd.prefilled else max(0, (prompt or record.prompt_tokens_est) - cached),
                 record.t_first_byte - record.t_sent, completion, record.t_last_byte - record.t_first_byte,
             )
         if record.usage:
-            self.learn_from_answer(record, record.usage)
+            self.learn_from_answer(record)
 
-    def learn_from_answer(self, record: RequestRecord, usage: Mapping[str, Any]) -> None:
+    def learn_from_answer(self, record: RequestRecord) -> None:
         """What one answer's usage teaches: the token ratio, the pool's TTFT calibration (a complete stream's first
         token, timed from the send), and the class's output length."""
         gw = self.gw
-        prompt, completion, _ = usage_counts(usage)
+        prompt, completion, _ = record.tokens()
         if record.prompt_tokens_raw and prompt:
             self.ratio(record.pool, record.prompt_tokens_raw, prompt)
         decision = record.decision

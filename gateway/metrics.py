@@ -39,7 +39,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.record import RequestRecord
-from policies.vllm_wire import usage_counts
 from pools.replicas import PoolRuntime
 
 # Latency buckets from 1 ms to 10 min. Where vLLM has a boundary (TTFT: 1 ms … 160 s; request latency: 0.3 s … 480 s)
@@ -419,7 +418,7 @@ class RequestMetrics:
         usage = record.usage
         completion = 0
         if usage:
-            prompt, completion, cached = usage_counts(usage)
+            prompt, completion, cached = record.tokens()
             self.prompt_tokens.inc(by_class, float(prompt))
             self.output_tokens.inc(by_class, float(completion))
             if cached:
@@ -460,7 +459,7 @@ class RequestMetrics:
             if counted is not None:
                 prompt, cached = counted
             else:
-                prompt, _, cached = usage_counts(usage)
+                prompt, _, cached = record.tokens()
             index = (*by_class, _turn_bucket(t.index))
             self.turn_prompt_tokens.inc(index, float(prompt))
             self.turn_cached_tokens.inc(index, float(cached))

@@ -13,7 +13,6 @@ from collections import deque
 from typing import Any
 
 from gateway.record import RequestRecord
-from policies.vllm_wire import usage_counts
 
 WATCH_S = 30.0  # how long one poll of /ui/state keeps the ring recording
 
@@ -74,7 +73,7 @@ def waterfall(record: RequestRecord, now: float, wall_now: float) -> dict[str, A
             stage("resumed decode", record.t_cut, record.t_last_byte)
         else:
             stage("decode", record.t_first_byte, record.t_last_byte)
-    prompt, output, _ = usage_counts(record.usage)
+    prompt, output, _ = record.tokens()
     return {
         "at": round(wall_now - (now - t0), 3),
         "api": record.api, "stream": record.stream, "pool": record.pool or record.first_pool,

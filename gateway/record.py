@@ -1,13 +1,17 @@
 """`RequestRecord`: what happened to one request, filled in by each stage and read by telemetry when it ends.
 
 The record is the one value every part of the request path shares (coordinator, admission, relay, telemetry), so it
-lives at the bottom of `gateway/` and imports nothing of m3gate's.
+lives at the bottom of `gateway/` and imports nothing of the gateway's (only the pure wire helpers of `policies/`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
+
+from policies.vllm_wire import usage_counts
+
+NO_TOKENS = (0, 0, 0)
 
 
 class Releasable(Protocol):
@@ -82,3 +86,17 @@ class RequestRecord:
     t_cut: float = 0.0  # the first such failure
     migration_events: list[tuple[float, int, str]] | None = None  # (when, generated tokens kept, new endpoint)
     ratelimit_headers: dict[str, str] | None = None  # the key's x-ratelimit-* headers, once its quota was checked
+    _tokens: tuple[Any, tuple[int, int, int]] | None = field(default=None, init=False, repr=False)
+
+    def tokens(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt) tokens of `usage` (`usage_counts`), counted once however many readers
+        the finished request has (learning, capacity, sessions, metrics, spans, the status page)."""
+        usage = self.usage
+        if usage is None:
+            return NO_TOKENS
+        known = self._tokens
+        if known is not None and known[0] is usage:  # counted for this very usage object
+            return known[1]
+        counts = usage_counts(usage)
+        self._tokens = (usage, counts)
+        return counts

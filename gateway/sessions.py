@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.record import RequestRecord
+from gateway.record import NO_TOKENS, RequestRecord
 from policies.config import SessionsConfig
 from policies.sessions import (
     AGENT_HEADER,
@@ -186,14 +186,14 @@ class SessionTracker:
         if type(turn) is OneShotTurn:
             turn.cache_path, prompt, cached = self.store.end_first_turn(
                 turn.session_id, turn.kind, turn.arrival, last_byte, tool_ids, turn.register_key if answered else None,
-                record.usage if answered else None, record.traffic_class, span)
+                record.tokens() if answered else NO_TOKENS, record.traffic_class, span)
             turn.counted = prompt, cached
             return
         session = turn.session
         if record.traffic_class:
             session.traffic_class = record.traffic_class
         turn.cache_path = self.store.end_turn(turn.turn, last_byte, tool_ids, turn.register_key if answered else None,
-                                              record.usage if answered else None)
+                                              record.tokens() if answered else NO_TOKENS)
         if span is not None:
             session.last_span = span
 

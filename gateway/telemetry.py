@@ -70,7 +70,6 @@ from gateway.metrics import (
 from gateway.record import RequestRecord
 from policies.config import TelemetryConfig, TracingConfig
 from policies.disagg import PATHS
-from policies.vllm_wire import usage_counts
 
 log = logging.getLogger("m3gate.telemetry")
 
@@ -491,7 +490,7 @@ class Tracing:
         usage = record.usage
         input_tokens = output_tokens = cached = None
         if usage:
-            input_tokens, output_tokens, cached = usage_counts(usage)
+            input_tokens, output_tokens, cached = record.tokens()
         err = error_type(record)
         attempts = ids.attempts
         first_send = attempts[0][1] if attempts else record.t_sent

@@ -40,7 +40,7 @@ from gateway.runtime import Gateway
 from policies.classify import RequestProfile
 from policies.replica_choice import RoutingDecision, RoutingRequest
 from policies.vllm_wire import connection_refused, refuses_new_requests, usage_of
-from pools.replicas import PoolRuntime, Replica
+from pools.replicas import LoadGuard, PoolRuntime, Replica
 
 # aiohttp's own errors and the OS's (a refused or reset connection; TimeoutError is one): a failed upstream call
 UPSTREAM_ERRORS = (aiohttp.ClientError, OSError)
@@ -174,11 +174,11 @@ class Upstream:
         A retryable 5xx is a failure while another target is left; `dispatched_as`: the request as the pool's
         policy chose for it (a precise pool's exact block hashes), else `routing`."""
         record, pool, replica = attempt.record, target.pool, target.replica
-        headers, extra = self._headers(attempt, target, number, retried)
-        profile = attempt.profile
-        uncached = profile.prompt_tokens - target.matched_blocks * pool.config.block_size
-        held = Held(replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached)))
-        self._dispatched(record, target, dispatched_as or routing, routing)
+        headers = upstream_headers(attempt.raw_headers, None)
+        held = Held(self.dispatch(record, attempt.profile, target, routing, headers, dispatched_as=dispatched_as,
+                                  number=number, retried=retried))
+        extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url,
+                 **self.gw.traffic.response_headers(record)}
         reply = await self.exchange(replica, pool.name, replica.url + record.path, payload, headers, held)
         if isinstance(reply, Failed):
             return reply
@@ -210,32 +210,33 @@ class Upstream:
                                     attempt.strip_usage, self.finished, first_chunk=reply.data, filt=filt,
                                     resume=resume))
 
-    def _headers(self, attempt: Attempt, target: Target, number: int,
-                 retried: bool) -> tuple[dict[str, str], dict[str, str]]:
-        """The attempt's record fields, then its upstream headers (traceparent included) and m3gate's own response
-        headers."""
-        record, pool, replica = attempt.record, target.pool, target.replica
+    def dispatch(self, record: RequestRecord, profile: RequestProfile, target: Target, routing: RoutingRequest,
+                 headers: dict[str, str], *, dispatched_as: RoutingRequest | None = None, number: int = 0,
+                 retried: bool = False) -> LoadGuard:
+        """What every send to `target` starts with, whoever makes the call (`send`; Envoy, for the endpoint picker):
+        the attempt's record fields, the pool's key and the trace context added to `headers`, the replica's load
+        guard (returned: the caller releases it), the send time, and what the replica now has in flight (its step
+        clock, its pool's policy, other gateways). `dispatched_as`: the request as the pool's policy chose for it,
+        else `routing`."""
+        gw = self.gw
+        pool, replica = target.pool, target.replica
         record.attempts = number + 1
         record.retried = retried
         record.pool, record.replica = pool.name, replica.url
         record.reason, record.matched_blocks, record.decision = target.reason, target.matched_blocks, target.decision
         key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
-        headers = upstream_headers(attempt.raw_headers, key)
-        self.gw.telemetry.inject(record, headers)
-        extra = {"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url,
-                 **self.gw.traffic.response_headers(record)}
-        return headers, extra
-
-    def _dispatched(self, record: RequestRecord, target: Target, dispatched_as: RoutingRequest,
-                    routing: RoutingRequest) -> None:
-        """The send time, and what the replica now has in flight: its step clock, its pool's policy, other gateways."""
-        gw = self.gw
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        gw.telemetry.inject(record, headers)
+        uncached = profile.prompt_tokens - target.matched_blocks * pool.config.block_size
+        guard = replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached))
         record.t_sent = gw.clock()
-        decision, url = target.decision, target.replica.url
+        decision, url = target.decision, replica.url
         if decision is not None and decision.prefill_plan is not None and decision.replica == url:
-            target.replica.plan_step(record.t_sent, decision.prefill_plan)
-        gw.policies[target.pool.name].dispatched(dispatched_as, url, record.t_sent)
-        gw.shared.on_dispatch(target.pool.name, url, routing)
+            replica.plan_step(record.t_sent, decision.prefill_plan)
+        gw.policies[pool.name].dispatched(dispatched_as or routing, url, record.t_sent)
+        gw.shared.on_dispatch(pool.name, url, routing)
+        return guard
 
     async def complete(self, record: RequestRecord, answered: Answered) -> RawResponse:
         """A complete answer goes to the client as it came: the request ends here."""

@@ -58,7 +58,7 @@ class _Clock:
         return self.now
 
 
-_USAGE = {"prompt_tokens": 12000, "completion_tokens": 300, "prompt_tokens_details": {"cached_tokens": 11000}}
+_TOKENS = (12000, 300, 11000)  # (prompt, completion, cached) of each answer's usage
 
 
 def _fill(store: SessionStore, clock: _Clock, sessions: int, turns: int) -> list[str]:
@@ -73,7 +73,7 @@ def _fill(store: SessionStore, clock: _Clock, sessions: int, turns: int) -> list
             clock.now += 0.001
             turn = store.begin_turn(session, "tool_result" if t else "first", clock.now)
             clock.now += 0.001
-            store.end_turn(turn, clock.now, (f"call_{key:024x}", f"call_{key + 1:024x}"), key, _USAGE)
+            store.end_turn(turn, clock.now, (f"call_{key:024x}", f"call_{key + 1:024x}"), key, _TOKENS)
             key += 2
     return ids
 
@@ -157,7 +157,7 @@ def bench_requests(sessions: int, iterations: int) -> list[dict[str, Any]]:
             turn = store.begin_turn(session, kind, clock.now)
             key += 2
             answer_tools = (f"call_{key:024x}", f"call_{key + 1:024x}") if asks_tools else ()
-            store.end_turn(turn, clock.now, answer_tools, key, _USAGE)
+            store.end_turn(turn, clock.now, answer_tools, key, _TOKENS)
 
         return one
 

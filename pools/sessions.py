@@ -12,7 +12,7 @@ built only when a later turn continues it). Otherwise, per request:
     session, source = store.resolve(identity, tool_result_ids(body, api), lookup_key)
     turn = store.begin_turn(session, turn_kind(body, api))
     ...                                         # route, relay (SseToolCallScanner collects the answer's tool calls)
-    store.end_turn(turn, last_byte, scanner.ids, register_key, record.usage)
+    store.end_turn(turn, last_byte, scanner.ids, register_key, record.tokens())
 
 Times are wall-clock seconds (`time.time`, injectable): other gateways' answers arrive with their timestamps, and
 monotonic clocks differ between processes. Memory is bounded: at most `max_sessions` open sessions (LRU), each with
@@ -36,14 +36,13 @@ import secrets
 import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import xxhash
 
 from policies.sessions import ID_SOURCES, TURN_KINDS, SessionIdentity, redacted
-from policies.vllm_wire import usage_counts
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -321,11 +320,12 @@ class SessionStore:
         return "" if prompt <= 0 else "warm" if cached >= self.warm_share * prompt else "cold"
 
     def end_first_turn(self, session_id: str, kind: str, arrival: float, last_byte: float, tool_call_ids: Iterable[str],
-                       register_key: int | None, usage: Mapping[str, Any] | None, traffic_class: str,
+                       register_key: int | None, tokens: tuple[int, int, int], traffic_class: str,
                        span: tuple[int, int] | None) -> tuple[str, int, int]:
         """A light first turn's answer ended: remembered (unopened) when it left keys a later turn may bring back.
-        Returns its cache path (as `end_turn`) and its prompt and cached tokens (`usage_counts`)."""
-        prompt, completion, cached = usage_counts(usage)
+        `tokens`: its answer's (prompt, completion, cached prompt) tokens (`usage_counts`). Returns its cache path (as
+        `end_turn`) and its prompt and cached tokens."""
+        prompt, completion, cached = tokens
         cache = self.cache_path(prompt, cached)
         tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
         if tool_keys or register_key is not None:
@@ -403,9 +403,10 @@ class SessionStore:
         _charge(session, turn.wait_kind, gap)
 
     def end_turn(self, turn: Turn, now_last_byte: float | None = None, tool_call_ids: Iterable[str] = (),
-                 register_key: int | None = None, usage: Mapping[str, Any] | None = None) -> str:
+                 register_key: int | None = None, tokens: tuple[int, int, int] = (0, 0, 0)) -> str:
         """The turn's answer ended (its last byte, wall clock): remember its tool calls and history key for the
-        next turn, add it to the session's aggregates. Returns its cache path: "warm", "cold" or "" (no usage)."""
+        next turn, add it to the session's aggregates. `tokens`: its answer's (prompt, completion, cached prompt)
+        tokens (`usage_counts`). Returns its cache path: "warm", "cold" or "" (no usage)."""
         last_byte = self.clock() if now_last_byte is None else now_last_byte
         session = turn.session
         if session.in_flight > 0:
@@ -420,7 +421,7 @@ class SessionStore:
             turn.wait_kind, turn.wait_s = "", 0.0
             self._time_wait(session, turn)
         tool_keys = tuple(map(tool_key, tool_call_ids)) if tool_call_ids else ()
-        prompt, completion, cached = usage_counts(usage)
+        prompt, completion, cached = tokens
         cache = self._record(session, turn.index, turn.kind, turn.arrival, turn.wait_kind, turn.wait_s, last_byte,
                              prompt, completion, cached, tool_keys, register_key)
         if self.shared:

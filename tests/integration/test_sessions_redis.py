@@ -13,6 +13,7 @@ import pytest
 
 from policies.sessions import SessionIdentity, history_keys, identify, tool_result_ids, turn_kind
 from policies.snapshot import RoutingRequest
+from policies.vllm_wire import usage_counts
 from pools.sessions import SessionStore
 from pools.shared_state import RedisState
 from tests.support.shared import SHARED_REDIS, eventually
@@ -53,8 +54,8 @@ class Turns:
                                              now=arrival)
         turn = self.store.begin_turn(session, turn_kind(body, "chat"), now=arrival)
         self.store.end_turn(turn, last_byte, answer_tools, register,
-                            {"prompt_tokens": 100, "completion_tokens": 5,
-                             "prompt_tokens_details": {"cached_tokens": 90}})
+                            usage_counts({"prompt_tokens": 100, "completion_tokens": 5,
+                                          "prompt_tokens_details": {"cached_tokens": 90}}))
         return session, source, turn
 
 

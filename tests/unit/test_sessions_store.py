@@ -40,6 +40,10 @@ def _usage(prompt: int, cached: int, completion: int = 10) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _tokens(prompt: int, cached: int, completion: int = 10) -> tuple[int, int, int]:
+    return usage_counts(_usage(prompt, cached, completion))
+
+
 def test_explicit_id_is_one_session_across_requests() -> None:
     clock = Clock()
     store = _store(clock)
@@ -67,13 +71,13 @@ def test_tool_call_ids_continue_the_answer_that_asked_and_time_the_turnaround() 
     assert source == "none" and session.id == "gen-1"
     turn = store.begin_turn(session, "first")
     assert (turn.index, turn.wait_kind) == (1, "")
-    store.end_turn(turn, clock.advance(2.0), ("call_a", "call_b"), None, _usage(1000, 0))
+    store.end_turn(turn, clock.advance(2.0), ("call_a", "call_b"), None, _tokens(1000, 0))
     clock.advance(3.5)  # the agent runs the tools
     again, source = store.resolve(NO_ID, ("call_zz", "call_b"))
     assert again is session and source == "tool_call"
     turn = store.begin_turn(again, "tool_result")
     assert (turn.index, turn.wait_kind, turn.wait_s) == (2, "tool", 3.5)
-    store.end_turn(turn, clock.advance(1.0), (), None, _usage(1100, 1000))
+    store.end_turn(turn, clock.advance(1.0), (), None, _tokens(1100, 1000))
     clock.advance(20.0)  # a person reads the final answer
     turn = store.begin_turn(session, "user")
     assert (turn.index, turn.wait_kind, turn.wait_s) == (3, "think", 20.0)
@@ -208,7 +212,7 @@ def test_warm_and_cold_by_cached_share_in_each_api() -> None:
         (None, ""),
     ]
     for usage, expected in cases:
-        assert store.end_turn(store.begin_turn(session, "user"), clock.advance(1), (), None, usage) == expected
+        assert store.end_turn(store.begin_turn(session, "user"), clock.advance(1), (), None, usage_counts(usage)) == expected
     assert usage_counts(cases[3][0]) == (1000, 5, 900)
     assert usage_counts({"prompt_tokens": -1, "prompt_tokens_details": None}) == (0, 0, 0)
     assert (session.warm_turns, session.cold_turns) == (3, 2)
@@ -220,7 +224,7 @@ def test_view_hashes_ids_and_keeps_only_the_last_turns() -> None:
     session, _ = store.resolve(SessionIdentity("secret-id", "header", parent_id="parent-id"))
     for i in range(5):
         store.end_turn(store.begin_turn(session, "user"), clock.advance(1.5), ("c",) if i == 4 else (), None,
-                       _usage(100, 80))
+                       _tokens(100, 80))
         clock.advance(1)
     view = store.view()
     text = repr(view)
@@ -246,7 +250,7 @@ def test_answer_records_round_trip_and_malformed_batches_are_rejected() -> None:
     store = _store(clock, shared=True)
     session, _ = store.resolve(SessionIdentity("s-é", "header", parent_id="p", agent_id="a", final=True))
     turn = store.begin_turn(session, "first")
-    store.end_turn(turn, clock.advance(2), ("c1", "c2"), 2**64 - 1, _usage(10, 5, 3))
+    store.end_turn(turn, clock.advance(2), ("c1", "c2"), 2**64 - 1, _tokens(10, 5, 3))
     blob, count = store.drain_events()
     assert count == 1 and store.drain_events() == (b"", 0)
     [event] = decode_events(blob)
@@ -328,7 +332,7 @@ def test_bounds_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
         if op == "end":
             if open_turns:
                 store.end_turn(open_turns.pop(n % len(open_turns)), clock.advance(0.5), (f"c{n}",), n,
-                               _usage(100, n * 20))
+                               _tokens(100, n * 20))
             continue
         identity = {"explicit": SessionIdentity(f"s{n}", "header"), "final": SessionIdentity(f"s{n}", "header",
                                                                                             final=True)}.get(op, NO_ID)
@@ -353,14 +357,14 @@ def test_a_light_first_turn_is_remembered_without_a_session_and_opens_one_when_c
         session_id = store.first_turn_id(arrival)
         ids.append(session_id)
         cache = store.end_first_turn(session_id, "first", arrival, clock.advance(0.5), (f"c{i}",), 100 + i,
-                                     _usage(50, 40 if i == 9 else 0), "interactive", (7, 9) if i == 9 else None)
+                                     _tokens(50, 40 if i == 9 else 0), "interactive", (7, 9) if i == 9 else None)
         assert cache == ("warm", 50, 40) if i == 9 else ("cold", 50, 0)
     assert len(set(ids)) == 10 and len(store) == 0 and store.counters.resolved["none"] == 10
     assert store.counters.sessions == 0 and store.view(raw_ids=True)["open"] == []
     assert store.remembers(ids[9]) and store.continues(("c9",), None) and store.continues((), 108)
     # an answer with no keys to come back by (failed, nothing to continue) is not kept
     lost = store.first_turn_id(clock.advance(0))
-    store.end_first_turn(lost, "first", clock.now, clock.advance(0.1), (), None, None, "interactive", None)
+    store.end_first_turn(lost, "first", clock.now, clock.advance(0.1), (), None, (0, 0, 0), "interactive", None)
     assert not store.remembers(lost)
 
     clock.advance(2.0)  # the tools of the last answer ran
@@ -370,7 +374,7 @@ def test_a_light_first_turn_is_remembered_without_a_session_and_opens_one_when_c
                                                                                           False)
     turn = store.begin_turn(session, "tool_result")
     assert (turn.index, turn.wait_kind) == (2, "tool") and turn.wait_s == pytest.approx(2.1)  # since c9's answer
-    store.end_turn(turn, clock.advance(1.0), (), None, _usage(80, 50))
+    store.end_turn(turn, clock.advance(1.0), (), None, _tokens(80, 50))
     assert (session.turns, session.prompt_tokens, session.warm_turns, session.cold_turns) == (2, 130, 2, 0)
     described = store.view(raw_ids=True)["open"][0]
     assert [t["index"] for t in described["recent_turns"]] == [1, 2]
@@ -387,7 +391,7 @@ def test_an_unnamed_first_turn_opens_a_session_only_when_a_later_turn_continues_
     for i in range(10):  # a flood of unnamed one-shots
         session, source = store.resolve(NO_ID, (), None, clock.advance(1))
         assert source == "none" and store.get(session.id) is None
-        store.end_turn(store.begin_turn(session, "first"), clock.advance(0.5), (f"c{i}",), 100 + i, _usage(50, 0))
+        store.end_turn(store.begin_turn(session, "first"), clock.advance(0.5), (f"c{i}",), 100 + i, _tokens(50, 0))
     assert len(store) == 1 and store.get("named") is named and ended == [] and store.counters.sessions == 1
     assert [s["id_source"] for s in store.view(raw_ids=True)["open"]] == ["header"]
 
@@ -396,7 +400,7 @@ def test_an_unnamed_first_turn_opens_a_session_only_when_a_later_turn_continues_
     assert source == "tool_call" and store.get(session.id) is session and store.counters.sessions == 2
     turn = store.begin_turn(session, "tool_result")
     assert (turn.index, turn.wait_kind, turn.wait_s) == (2, "tool", 2.0)
-    store.end_turn(turn, clock.advance(1.0), (), None, _usage(80, 50))
+    store.end_turn(turn, clock.advance(1.0), (), None, _tokens(80, 50))
     assert (session.turns, session.prompt_tokens, session.warm_turns, session.cold_turns) == (2, 130, 1, 1)
     # and by history key: the one before (kept: at least max_sessions / 2 answered first turns are)
     assert store.resolve(NO_ID, (), 108)[1] == "history"
