@@ -89,8 +89,7 @@ class Coordinator:
             ready = await self.prepare(request, record, client, raw, api)
             resumer = self.resumer(record, ready.body, api, ready.payload, ready.strip_usage, ready.choice,
                                    ready.routing, ready.refused) \
-                if ready.profile.stream and gw.config.routing.migration.enabled and api in ("chat", "completions") \
-                else None
+                if ready.profile.stream and gw.config.routing.migration.enabled else None
             return await self.forward(request, record, ready.choice, ready.profile, ready.routing, ready.payload,
                                       ready.strip_usage, resumer)
         except RequestRejected as exc:
@@ -140,8 +139,8 @@ class Coordinator:
         record.t_routed = gw.clock()
         admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
         routing = self.with_slos(request, record, routing)
-        resume = resumable and profile.stream
-        refused = refusal(body, api) if resume and gw.config.routing.migration.enabled else None
+        resume = resumable and profile.stream and gw.config.routing.migration.enabled
+        refused = refusal(body, api) if resume else None  # "api": Responses and Messages streams carry no ids
         payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream and usage,
                                                 admitted.priority, token_ids=resume and refused is None)
         return Prepared(body, profile, admitted.choice, routing, payload, strip_usage, refused)

@@ -325,7 +325,7 @@ class StreamRelay:
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             record.error = f"upstream failed mid-stream: {type(exc).__name__}"
-            if self.resume is not None and record.api in ("chat", "completions"):
+            if self.resume is not None:  # resumed, or (Responses, Messages, ...) counted refused and ended
                 await self.resume(send, filt, filt.failure or type(exc).__name__)
                 return
             tail = filt.remainder() + stream_error_event(record.api, "the replica failed mid-stream; retry the request")

@@ -162,11 +162,34 @@ def test_with_migration_off_a_broken_stream_ends_with_the_error_event_as_before(
     with running_sims([{"max_model_len": 8192} for _ in range(2)]) as sims:
         gw = gateway_for(sims, enabled=False)
         try:
+            # nothing asks the replica for token ids the client did not ask for
+            body = {"model": MODEL, "stream": True, "max_tokens": 12,
+                    "messages": [{"role": "user", "content": "hello"}]}
+            raw = httpx.post(gw.base_url + "/chat/completions", json=body, timeout=30).content
+            assert b"[DONE]" in raw and b'"token_ids":[' not in raw and b'"prompt_token_ids":[' not in raw
             with pytest.raises(openai.APIError):
                 chat(gw, CASES["chat_plain"], cut=3, sims=sims)
             assert migrations(gw).get("resumed", 0) == 0
         finally:
             gw.stop()
+
+
+def test_a_responses_stream_cut_mid_way_ends_with_its_error_event_and_counts_refused(
+        pair: tuple[list[SimProcess], GatewayProcess]) -> None:
+    """vLLM returns no token ids for a Responses stream, so it cannot be resumed token for token: it ends with the
+    Responses API's own error event, counted `refused` (docs/reliability.md, "Stream migration")."""
+    sims, gw = pair
+    body = {"model": MODEL, "stream": True, "input": "tell me a long story", "max_output_tokens": 200,
+            "temperature": 0}
+    events = b""
+    with httpx.stream("POST", gw.base_url + "/responses", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for i, chunk in enumerate(resp.iter_raw()):
+            if i == 3:
+                signal_replica(sims, resp.headers["x-m3gate-endpoint"], signal.SIGKILL)
+            events += chunk
+    assert b"event: error" in events and b"response.completed" not in events
+    assert migrations(gw).get("refused") == 1 and migrations(gw).get("resumed", 0) == 0
 
 
 def test_when_every_replica_breaks_the_stream_it_ends_with_the_error_event_and_counts_failed() -> None:
