@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from typing import Any
 
 import grpc
@@ -15,11 +14,9 @@ import uvicorn
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.app import build_app
 from gateway.epp import EndpointPicker
 from gateway.runtime import Gateway
-from gateway.server import GatewayHttpProtocol, _quiet_garbage_collector, _return_freed_memory
-from policies.config import ConfigError, load_config
+from gateway.server import GatewayHttpProtocol, load_app
 
 log = logging.getLogger("m3gate.epp")
 
@@ -29,15 +26,10 @@ _MESSAGE_BYTES = 128 * 1024 * 1024  # a body chunk per message; Envoy's are far 
 
 def run_epp(config_path: str, host: str = "0.0.0.0", port: int = 9002, http_port: int = 9003,
             response_processing: str = "full") -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    loaded = load_app(config_path)
+    if loaded is None:
         return 2
-    _return_freed_memory()
-    app = build_app(config, config_path)
-    _quiet_garbage_collector()
+    config, app = loaded
     try:
         import uvloop
 

@@ -13,21 +13,33 @@ import sys
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from starlette.applications import Starlette
+
 from gateway.app import build_app
 from gateway.errors import error_body
-from policies.config import ConfigError, load_config
+from policies.config import ConfigError, GatewayConfig, load_config
 
 
-def serve(config_path: str, host: str | None = None, port: int | None = None) -> int:
+def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
+    """What both front doors (`m3gate serve`, `m3gate epp`) start from: logging, the config (None, its error
+    printed, when it is invalid) and the app, with the process's memory settings for a long-running gateway."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(config_path)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return None
     _return_freed_memory()
     app = build_app(config, config_path)
     _quiet_garbage_collector()
+    return config, app
+
+
+def serve(config_path: str, host: str | None = None, port: int | None = None) -> int:
+    loaded = load_app(config_path)
+    if loaded is None:
+        return 2
+    config, app = loaded
     if config.admin.api_key is None:
         logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
     listener = os.environ.get("M3GATE_LISTENER") or config.server.listener
