@@ -11,9 +11,8 @@ import os
 import sys
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
 from starlette.applications import Starlette
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
 from gateway.errors import error_body
