@@ -44,7 +44,7 @@ def gateway_config(sims: list[SimProcess]) -> dict[str, Any]:
         ],
         "server": {"health_interval_s": HEALTH_INTERVAL_S},
         "admin": {"api_key": ADMIN_KEY, "watch_config": True},
-        "capacity": {"interval_s": 0.5, "window_s": 2},
+        "capacity": {"interval_s": 0.5, "window_s": 2, "scale_down_stabilization_s": 2},
         "traffic": {"classes": {
             "interactive": {"priority": 0, "targets": {"ttft_ms": {"p50": 200, "p95": 1000}, "tpot_ms": {"p95": 50}}},
             "repository": {"priority": 1, "targets": {"ttft_ms": {"p95": 10000}}},
@@ -158,7 +158,8 @@ def test_every_pool_and_replica_is_shown(page: Page, stack: tuple[GatewayProcess
     assert set(page.attrs("div.pool", "data-pool")) == {"interactive", "repository"}
     assert "ceiling 32K tokens" in page.texts("#pool-interactive")[0]
     assert set(page.attrs("tr.traffic-class", "data-class")) == {"interactive", "repository"}
-    # each pool's capacity signal: "sizing…" for the first window, then the replicas it needs (idle: the minimum)
+    # each pool's capacity signal: "sizing…" for the first window, then the replicas running, and once the
+    # stabilization window has passed the replicas it needs (idle: the minimum)
     page.wait("each pool's capacity signal", lambda: page.attrs("#pool-interactive span.capacity", "data-desired")
               == ["1"] and page.attrs("#pool-repository span.capacity", "data-desired") == ["1"], timeout=15)
     assert "needs 1" in page.texts("#pool-interactive span.capacity")[0]
