@@ -64,13 +64,8 @@ class IdFilter(SseFilter):
         self._prompt_seen = False
 
     def feed(self, chunk: bytes) -> bytes:
-        buf = self._buf + chunk if self._buf else chunk
-        cut = buf.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = buf
-            return b""
-        complete, self._buf = buf[: cut + 2], buf[cut + 2:]
-        if self.failure is not None:
+        complete = self._complete(chunk)
+        if not complete or self.failure is not None:
             return b""
         out = b""
         if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):  # the stream's first event

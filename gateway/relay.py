@@ -135,13 +135,20 @@ class SseFilter:
         self.saw_done = False
         self.events = 0
 
-    def feed(self, chunk: bytes) -> bytes:
+    def _complete(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes (with what was buffered), keeping the partial last one for later."""
         buf = self._buf + chunk if self._buf else chunk
         cut = buf.rfind(b"\n\n")
         if cut < 0:
             self._buf = buf
             return b""
         complete, self._buf = buf[: cut + 2], buf[cut + 2 :]
+        return complete
+
+    def feed(self, chunk: bytes) -> bytes:
+        complete = self._complete(chunk)
+        if not complete:
+            return b""
         self.events += complete.count(b"\n\n")
         if b"[DONE]" in complete:
             self.saw_done = True

@@ -100,27 +100,25 @@ class M3StreamParser:
 
     # modes: each takes (state, buffer) and returns (state, rest of the buffer, whether to go on) ----------------
     def _reasoning(self, s: ParserState, buf: str) -> tuple[ParserState, str, bool]:
-        start, end = -1 if s.think_seen else buf.find(THINK_START), buf.find(THINK_END)
-        if start >= 0 and (end < 0 or start < end):  # the answer's marker (thinking_mode "enabled" may repeat it)
-            s = self._emit(s, "reasoning", buf[:start])
-            return replace(s, think_seen=True), buf[start + len(THINK_START):], True
-        if end >= 0:
-            s = self._emit(s, "reasoning", buf[:end])
-            return replace(s, mode="content"), buf[end + len(THINK_END):], True
-        keep = _held(buf, (THINK_END,) if s.think_seen else (THINK_END, THINK_START))
-        s = self._emit(s, "reasoning", buf[:len(buf) - keep])
-        return s, buf[len(buf) - keep:], False
+        # the answer's own marker may come first (thinking_mode "enabled" repeats it); vLLM honours only the first
+        opening = () if s.think_seen else ((THINK_START, {"think_seen": True}),)
+        return self._until(s, buf, "reasoning", (*opening, (THINK_END, {"mode": "content"})))
 
     def _content(self, s: ParserState, buf: str) -> tuple[ParserState, str, bool]:
-        think, tool = -1 if s.think_seen else buf.find(THINK_START), buf.find(TOOL_START)
-        if think >= 0 and (tool < 0 or think < tool):
-            s = self._emit(s, "content", buf[:think])
-            return replace(s, mode="reasoning", think_seen=True), buf[think + len(THINK_START):], True
-        if tool >= 0:
-            s = self._emit(s, "content", buf[:tool])
-            return replace(s, mode="tools"), buf[tool + len(TOOL_START):], True
-        keep = _held(buf, (TOOL_START,) if s.think_seen else (THINK_START, TOOL_START))
-        s = self._emit(s, "content", buf[:len(buf) - keep])
+        opening = () if s.think_seen else ((THINK_START, {"mode": "reasoning", "think_seen": True}),)
+        return self._until(s, buf, "content", (*opening, (TOOL_START, {"mode": "tools"})))
+
+    def _until(self, s: ParserState, buf: str, kind: str,
+               markers: tuple[tuple[str, dict[str, Any]], ...]) -> tuple[ParserState, str, bool]:
+        """Emits `buf` as `kind` up to the earliest of `markers` and applies that marker's change to the state;
+        without one, emits all but a tail that could begin a marker (held for the next piece)."""
+        found = [(at, marker, change) for marker, change in markers for at in (buf.find(marker),) if at >= 0]
+        if found:
+            at, marker, change = min(found, key=lambda f: f[0])
+            s = self._emit(s, kind, buf[:at])
+            return replace(s, **change), buf[at + len(marker):], True
+        keep = _held(buf, tuple(marker for marker, _ in markers))
+        s = self._emit(s, kind, buf[:len(buf) - keep])
         return s, buf[len(buf) - keep:], False
 
     def _tools(self, s: ParserState, buf: str) -> tuple[ParserState, str, bool]:
