@@ -40,7 +40,10 @@ from collections import deque
 from typing import Any
 
 from gateway.record import RequestRecord
-from policies.capacity import ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, lead_factor, predict, size
+from policies.capacity import (
+    ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, Trend, arrival_trend, lead_factor, predict, risk_factor,
+    scaled, size,
+)
 from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
 from pools.tasks import cancel_and_wait
@@ -48,6 +51,7 @@ from pools.tasks import cancel_and_wait
 log = logging.getLogger("m3gate.capacity")
 
 DEFAULT_OUTPUT_TOKENS = 256.0  # a class whose answers have not been seen yet (an overload where none finished)
+MIN_LATENCY_SAMPLES = 10  # requests of a class in the last half window before its measured p95 is checked
 _FINISHED, _ANSWERED, _PROMPT, _CACHED, _OUTPUT, _ESTIMATED = range(6)
 
 
@@ -64,7 +68,8 @@ class CapacitySignal:
         self._start: tuple[float, dict[tuple[str, str], float]] = (start, {})
         self._created = start
         self._mix: dict[tuple[str, str], tuple[float, float, float]] = {}  # last known (prompt, cached, output) means
-        self._levels: dict[str, deque[tuple[float, float]]] = {}  # per pool: (time, arrival rate), for the lead
+        # per (pool, class): (finish time, TTFT, TPOT or None) of recent requests, for the check against the model
+        self._latency: dict[tuple[str, str], deque[tuple[float, float, float | None]]] = {}
         self._stable: dict[tuple[str, str], Stabilizer] = {}
         self._prefilled: dict[str, deque[tuple[float, int]]] = {}  # replica → (time, its prefilled-token counter)
         self._span = float(gateway.config.capacity.window_s)  # the last window's length: for the rates' bounds
@@ -88,6 +93,8 @@ class CapacitySignal:
         sums[_ESTIMATED] += record.prompt_tokens_est
         usage = record.usage
         if not usage or record.status != 200:
+            if record.status == 429 or record.status >= 500:  # refused or failed for want of capacity: a miss
+                self._sample(key, record.t_last_byte or record.t_arrival, math.inf, None)
             return
         prompt, completion, cached = record.tokens()
         sums[_ANSWERED] += 1.0
@@ -108,6 +115,15 @@ class CapacitySignal:
             span = record.t_last_byte - record.t_first_byte
             cost.learn(batch, prompt + completion / 2.0,
                        span * self._decode_share(pool, replica, record.t_first_byte, span) / (completion - 1))
+            self._sample(key, record.t_last_byte, record.t_first_byte - record.t_arrival, span / (completion - 1))
+        elif record.stream and record.t_first_byte > 0.0 and not record.client_disconnected:
+            self._sample(key, record.t_last_byte, record.t_first_byte - record.t_arrival, None)
+
+    def _sample(self, key: tuple[str, str], at: float, ttft: float, tpot: float | None) -> None:
+        samples = self._latency.get(key)
+        if samples is None:
+            samples = self._latency[key] = deque(maxlen=512)
+        samples.append((at, ttft, tpot))
 
     def _decode_share(self, pool: str, replica: Any, start: float, span: float) -> float:
         """The share of a stream's time its replica spent on decode steps: the prompts other requests prefilled
@@ -201,12 +217,48 @@ class CapacitySignal:
                 (cost.prefill_step_s, cost.prefill_s_per_1k), float(model.cost.samples) if model is not None else 0.0,
                 (cost.decode_step_s, cost.decode_s_per_seq, cost.decode_s_per_seq_1k),
                 float(decode_cost.samples) if decode_cost is not None else 0.0, cost.kv_tokens)
+        share.trends = self._trends(gw.pools)
+        share.latency = self._latency_p95(now - cfg.window_s / 2.0)
         for key, stable in self._stable.items():
             if stable.desired is not None:
                 share.stable[key] = StableShare(stable.desired, now - stable.changed_at,
                                                 tuple((now - t, n) for t, n in peaks(stable.history)))
         self.local = share
         return share
+
+    def _trends(self, pools: Any) -> dict[str, tuple[float, float]]:
+        """Per pool, the slope of its arrival rate through the window's intervals (`arrival_trend`): each interval's
+        arrivals are the requests that finished in it plus the growth of those held in the gateway."""
+        points: dict[str, list[tuple[float, float, float]]] = {name: [] for name in pools}
+        prev_t, prev_held = self._start
+        for end, sums, held in self._closed:
+            arrived = dict.fromkeys(points, 0.0)
+            for key in {*sums, *held, *prev_held}:
+                if key[0] in arrived:
+                    arrived[key[0]] += sums.get(key, [0.0])[_FINISHED] + held.get(key, 0.0) - prev_held.get(key, 0.0)
+            for name, n in arrived.items():
+                points[name].append((prev_t, end, n))
+            prev_t, prev_held = end, held
+        out = {}
+        for name, intervals in points.items():
+            trend = arrival_trend(intervals)
+            out[name] = (trend.slope, trend.variance)
+        return out
+
+    def _latency_p95(self, since: float) -> dict[tuple[str, str], tuple[float | None, float | None]]:
+        """Per (pool, class), the TTFT and TPOT p95 of the requests that finished since `since` (None below
+        MIN_LATENCY_SAMPLES of them)."""
+        out = {}
+        for key, samples in list(self._latency.items()):
+            while samples and samples[0][0] < since:
+                samples.popleft()
+            if not samples:
+                del self._latency[key]
+                continue
+            ttfts = [ttft for _, ttft, _ in samples]
+            tpots = [tpot for _, _, tpot in samples if tpot is not None]
+            out[key] = (_p95(ttfts), _p95(tpots))
+        return out
 
     def size_pools(self, now: float, local: DemandShare, peers: list[tuple[str, DemandShare]] | None) -> None:
         """Size every pool role from `local` merged with `peers` (in gateway-id order, so that every gateway adds
@@ -227,50 +279,49 @@ class CapacitySignal:
         for key in [k for k in self._stable if k[0] not in live]:
             del self._stable[key]
             self.entries.pop(key, None)
-        for name in [n for n in self._levels if n not in live]:
-            del self._levels[name]
         self._mark_prefilled(now, max(cfg.window_s, 60.0))
         for name, pool in list(gw.pools.items()):
             demand = self._demand(name, merged)
-            factor = self._lead(name, now, sum(d.rate for d in demand))
+            # the window's rate is the rate at its middle: lead by half the window besides the start-up
+            factor = lead_factor(sum(d.rate for d in demand), Trend(*merged.trends.get(name, (0.0, 0.0))),
+                                 cfg.startup_s + self._span / 2.0)
             # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
             # window holding a few requests more than usual is noise, not a target at risk
-            led = [_scaled(d, factor) for d in self._demand(name, merged, z=1.0)]
+            lower = self._demand(name, merged, z=1.0)
+            latency = {cls: p95s for (p, cls), p95s in merged.latency.items() if p == name}
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
-            bounds = pool.config.capacity
             for role in roles:
-                costs = self._merged_costs(name, pool, role, merged)
-                current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
-                backlog = merged.backlog.get((name, role), 0.0)
-                measured = size(role, demand, costs, prefill_backlog=backlog)
-                needed = size(role, led, costs, prefill_backlog=backlog)
-                stable = self._stable.get((name, role))
-                if stable is None and (name, role) in merged.stable:
-                    stable = self._stable[(name, role)] = _seeded(now, merged.stable[(name, role)], cfg)
-                if stable is None and measuring:
-                    self.entries[(name, role)] = _entry(
-                        name, role, current, None, needed, measured, factor, demand, costs, None, backlog,
-                        predict(role, led, costs, current, prefill_backlog=backlog), None)
-                    continue
-                if stable is None:  # it starts from the replicas running: falling below them waits for the window
-                    stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current or None,
-                                                                     now)
-                stable.window_s = cfg.scale_down_stabilization_s
-                desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas,
-                                        bounds.max_replicas)
-                self.entries[(name, role)] = _entry(
-                    name, role, current, desired, needed, measured, factor, demand, costs, now - stable.changed_at,
-                    backlog, predict(role, led, costs, current, prefill_backlog=backlog),
-                    predict(role, led, costs, desired, prefill_backlog=backlog))
+                self._size_role(now, name, pool, role, merged, demand, lower, factor, latency, measuring)
 
-    def _lead(self, pool: str, now: float, rate: float) -> float:
-        """The pool's demand trend `startup_s` ahead (`lead_factor` over its recent total arrival rates)."""
-        cfg = self._gw.config.capacity
-        levels = self._levels.setdefault(pool, deque())
-        levels.append((now, rate))
-        while levels and levels[0][0] < now - max(cfg.window_s, cfg.startup_s):
-            levels.popleft()
-        return lead_factor(levels, cfg.startup_s, correlation_s=cfg.window_s)
+    def _size_role(self, now: float, name: str, pool: Any, role: str, merged: DemandShare, demand: list[ClassDemand],
+                   lower: list[ClassDemand], factor: float,
+                   latency: dict[str, tuple[float | None, float | None]], measuring: bool) -> None:
+        """One pool role's sizing and signal: for the demand measured (falls) and for its lower bound led by the
+        trend (rises), both scaled by the check against the latencies measured."""
+        cfg, bounds = self._gw.config.capacity, pool.config.capacity
+        costs = self._merged_costs(name, pool, role, merged)
+        current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
+        backlog = merged.backlog.get((name, role), 0.0)
+        # a target missed now that the model does not predict: the demand it rests on is short by this
+        risk = risk_factor(role, demand, costs, current, latency, prefill_backlog=backlog) if current else 1.0
+        measured = size(role, scaled(demand, risk), costs, prefill_backlog=backlog)
+        led = scaled(lower, factor * risk)
+        needed = size(role, led, costs, prefill_backlog=backlog)
+        stable = self._stable.get((name, role))
+        if stable is None and (name, role) in merged.stable:
+            stable = self._stable[(name, role)] = _seeded(now, merged.stable[(name, role)], cfg)
+        at_current = predict(role, led, costs, current, prefill_backlog=backlog)
+        if stable is None and measuring:
+            self.entries[(name, role)] = _entry(name, role, current, None, needed, measured, (factor, risk), demand,
+                                                latency, costs, None, backlog, at_current, None)
+            return
+        if stable is None:  # it starts from the replicas running: falling below them waits for the window
+            stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current or None, now)
+        stable.window_s = cfg.scale_down_stabilization_s
+        desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas, bounds.max_replicas)
+        self.entries[(name, role)] = _entry(
+            name, role, current, desired, needed, measured, (factor, risk), demand, latency, costs,
+            now - stable.changed_at, backlog, at_current, predict(role, led, costs, desired, prefill_backlog=backlog))
 
     def _mark_prefilled(self, now: float, keep_s: float) -> None:
         live = set()
@@ -394,14 +445,31 @@ def _lower(rate: float, span: float, z: float) -> float:
     return max(0.0, arrived - z * math.sqrt(arrived)) / span
 
 
-def _scaled(demand: ClassDemand, factor: float) -> ClassDemand:
-    return ClassDemand(demand.name, demand.rate * factor, demand.prompt_tokens, demand.uncached_tokens,
-                       demand.output_tokens, demand.ttft_p95_s, demand.tpot_p95_s, demand.queued)
+def _p95(values: list[float], confidence: float = 0.99) -> float | None:
+    """A lower confidence bound of the values' 95th percentile: the largest order statistic the p95 is at least with
+    probability `confidence` (binomial), so a slow request or two among a dozen is not a target at risk (the plain
+    sample p95 of 12 values is their maximum); None below MIN_LATENCY_SAMPLES values."""
+    n = len(values)
+    if n < MIN_LATENCY_SAMPLES:
+        return None
+    ordered = sorted(values)
+    # P(at least r of n values lie below the p95) for r = n, n − 1, ...: the largest r with it ≥ confidence
+    at_least, rank = 0.0, 0
+    for r in range(n, 0, -1):
+        at_least += math.comb(n, r) * 0.95 ** r * 0.05 ** (n - r)
+        if at_least >= confidence:
+            rank = r
+            break
+    return ordered[rank - 1] if rank else None
 
 
 def _seconds(value: float) -> float | None:
     """JSON has no infinity: a count that cannot keep up predicts null."""
     return round(value, 4) if math.isfinite(value) else None
+
+
+def _seconds_or_none(value: float | None) -> float | None:
+    return None if value is None else _seconds(value)
 
 
 def _prediction(p: Prediction) -> dict[str, Any]:
@@ -414,21 +482,26 @@ def _prediction(p: Prediction) -> dict[str, Any]:
 
 
 def _entry(pool: str, role: str, current: int, desired: int | None, needed: Sizing, measured: Sizing,
-           factor: float, demand: list[ClassDemand], costs: EngineCosts, since_change_s: float | None,
+           factors: tuple[float, float], demand: list[ClassDemand],
+           latency: dict[str, tuple[float | None, float | None]], costs: EngineCosts, since_change_s: float | None,
            backlog: float, at_current: Prediction, at_desired: Prediction | None) -> dict[str, Any]:
+    lead, risk = factors
     return {
         "pool": pool, "role": role, "current": current, "desired": desired,
         "needed": needed.replicas,  # for the demand expected once a new replica is ready (lead, lower bound)
         "needed_now": measured.replicas,  # for the demand measured now
         "bottleneck": needed.bottleneck,
         "since_change_s": None if since_change_s is None else round(since_change_s, 1),  # None: still measuring
-        "lead_factor": round(factor, 3),
+        "lead_factor": round(lead, 3),  # the demand's trend a start-up ahead
+        "risk_factor": round(risk, 3),  # demand × this reproduces the latencies measured (1: the model holds)
         "prefill_backlog_tokens": backlog,  # uncached tokens sent to the replicas, not yet at their first token
         "predicted": {"current": _prediction(at_current),
                       "desired": None if at_desired is None else _prediction(at_desired)},
         "demand": {d.name: {"rate_per_s": round(d.rate, 4), "prompt_tokens": round(d.prompt_tokens, 1),
                             "uncached_tokens": round(d.uncached_tokens, 1), "output_tokens": round(d.output_tokens, 1),
-                            "queued": d.queued, "ttft_p95_target_s": d.ttft_p95_s, "tpot_p95_target_s": d.tpot_p95_s}
+                            "queued": d.queued, "ttft_p95_target_s": d.ttft_p95_s, "tpot_p95_target_s": d.tpot_p95_s,
+                            "measured_ttft_p95_s": _seconds_or_none(latency.get(d.name, (None, None))[0]),
+                            "measured_tpot_p95_s": _seconds_or_none(latency.get(d.name, (None, None))[1])}
                    for d in demand},
         "costs": {"prefill_step_s": round(costs.prefill_step_s, 5), "prefill_s_per_1k": round(costs.prefill_s_per_1k, 5),
                   "decode_step_s": round(costs.decode_step_s, 5), "decode_s_per_seq": round(costs.decode_s_per_seq, 7),

@@ -249,6 +249,9 @@ def _signal_row(t: float, e: dict[str, Any]) -> dict[str, Any]:
                                                       "lead_factor", "prefill_backlog_tokens")},
             "rates": {c: d.get("rate_per_s") for c, d in (e.get("demand") or {}).items()},
             "queued": {c: d.get("queued") for c, d in (e.get("demand") or {}).items()},
+            "risk_factor": e.get("risk_factor"),
+            "measured_ttft_p95_s": {c: d.get("measured_ttft_p95_s") for c, d in (e.get("demand") or {}).items()},
+            "measured_tpot_p95_s": {c: d.get("measured_tpot_p95_s") for c, d in (e.get("demand") or {}).items()},
             "costs": e.get("costs")}
 
 

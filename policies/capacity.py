@@ -34,8 +34,10 @@ TPOT and KV.
 
 `Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
 the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
-the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead
-(the part of its slope beyond two standard errors, so that noise under constant load is not a trend).
+the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead (a slope
+beyond two standard errors of its noise, `arrival_trend`, so that noise under constant load is not a trend).
+`risk_factor` checks the model against the latencies measured: a target missed at the serving count that the model
+does not predict scales the demand until it does, so a target at risk raises the signal at once.
 
 Pure: no clock, no I/O; the gateway (gateway/capacity.py) and `m3gate plan` feed it.
 """
@@ -279,31 +281,86 @@ def size(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, params: S
     return Sizing(n, bottleneck, predict(role, demand, costs, n, params, True, prefill_backlog))
 
 
-def lead_factor(samples: Iterable[tuple[float, float]], horizon_s: float, cap: float = 2.0,
-                correlation_s: float = 0.0) -> float:
-    """How much higher the demand will be `horizon_s` from now if it keeps its recent trend: 1 + slope · horizon /
-    level from a least-squares line through (time, rate) samples; 1 for a flat or falling demand (the signal leads a
-    rise; a fall waits for the stabilization window anyway), at most `cap`. `correlation_s`: each sample is a rate
-    over this window, so samples closer than it are not independent and count as fewer in the slope's error."""
-    points = list(samples)
-    if len(points) < 3 or horizon_s <= 0.0:
+@dataclass(frozen=True, slots=True)
+class Trend:
+    """How fast a demand's arrival rate is changing: its slope (requests/s per second) and that slope's variance."""
+
+    slope: float = 0.0
+    variance: float = 0.0
+
+
+def arrival_trend(intervals: Iterable[tuple[float, float, float]]) -> Trend:
+    """The slope of the arrival rate through a window's disjoint intervals, each (start, end, arrivals): weighted
+    least squares of the interval's rate on its midpoint, weighed by its length. Disjoint intervals are independent
+    counts, so the slope's variance is the Poisson one, λ / Σ δ (t − t̄)², times the counts' over-dispersion where
+    they scatter more than Poisson counts (bursty traffic)."""
+    points = [(0.5 * (a + b), b - a, n) for a, b, n in intervals if b > a]
+    if len(points) < 3:
+        return Trend()
+    span = sum(d for _, d, _ in points)
+    mean_t = sum(t * d for t, d, _ in points) / span
+    sxx = sum(d * (t - mean_t) ** 2 for t, d, _ in points)
+    if sxx <= 0.0:
+        return Trend()
+    arrived = sum(n for _, _, n in points)
+    rate = max(arrived, 1.0) / span  # at least one arrival: an empty window's slope is not known to be exact
+    slope = sum((t - mean_t) * n for t, _, n in points) / sxx
+    pearson = 0.0
+    for t, d, n in points:
+        fitted = max(rate * 1e-3, arrived / span + slope * (t - mean_t)) * d
+        pearson += (n - fitted) ** 2 / fitted
+    dispersion = min(10.0, max(1.0, pearson / (len(points) - 2)))
+    return Trend(slope, dispersion * rate / sxx)
+
+
+def lead_factor(rate: float, trend: Trend, horizon_s: float, cap: float = 2.0, z: float = 2.0) -> float:
+    """How much higher the demand will be `horizon_s` from now: 1 + slope · horizon / rate where the rate rises
+    beyond `z` standard errors of its slope (noise under constant load is not a trend), else 1 (a fall waits for the
+    stabilization window anyway); at most `cap`. The horizon is a new replica's start-up plus half the window the
+    rate was measured over (a window's mean is the rate at its middle)."""
+    if rate <= 0.0 or horizon_s <= 0.0 or trend.slope <= z * math.sqrt(max(trend.variance, 0.0)):
         return 1.0
-    n = len(points)
-    mt = sum(t for t, _ in points) / n
-    mr = sum(r for _, r in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    if var <= 0.0:
-        return 1.0
-    slope = sum((t - mt) * (r - mr) for t, r in points) / var
-    level = mr + slope * (points[-1][0] - mt)  # the line's value now
-    # only the part of the slope its noise cannot explain (two standard errors): a measured rate that wobbles
-    # under constant load must not lead the signal up and down
-    residual = sum((r - (mr + slope * (t - mt))) ** 2 for t, r in points) / max(1, n - 2)
-    independent = n if correlation_s <= 0.0 else min(n, max(1.0, (points[-1][0] - points[0][0]) / correlation_s + 1))
-    slope -= 2.0 * math.sqrt(residual / var * n / independent)
-    if slope <= 0.0 or level <= 0.0:
-        return 1.0
-    return min(cap, 1.0 + slope * horizon_s / level)
+    return min(cap, 1.0 + trend.slope * horizon_s / rate)
+
+
+def scaled(demand: Sequence[ClassDemand], factor: float) -> list[ClassDemand]:
+    """The same classes with their arrival rates × `factor`."""
+    return [ClassDemand(d.name, d.rate * factor, d.prompt_tokens, d.uncached_tokens, d.output_tokens, d.ttft_p95_s,
+                        d.tpot_p95_s, d.queued) for d in demand]
+
+
+def risk_factor(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replicas: int,
+                measured: dict[str, tuple[float | None, float | None]], cap: float = 4.0,
+                prefill_backlog: float = 0.0) -> float:
+    """The check against measured latency: where a class's measured TTFT or TPOT p95 (`measured`: class → (ttft,
+    tpot), None where too few were seen) misses its target at `replicas` although the model predicts less, the
+    factor by which the demand must grow for the model to predict what was measured (found by bisection, at most
+    `cap`); 1 where every target is met or the model already predicts the miss. The demand measured lags a steep
+    rise, and the model misses queueing it does not see: sizing for demand × this factor answers a target at risk
+    at once, whatever the cause."""
+    factor = 1.0
+    for d in demand:
+        ttft, tpot = measured.get(d.name, (None, None))
+        checks = []
+        if role != "decode" and ttft is not None and d.ttft_p95_s is not None and ttft > d.ttft_p95_s:
+            checks.append((0, ttft))
+        if role != "prefill" and tpot is not None and d.tpot_p95_s is not None and tpot > d.tpot_p95_s:
+            checks.append((1, tpot))
+        for which, value in checks:
+            def predicted(k: float, which: int = which, name: str = d.name) -> float:
+                p = predict(role, scaled(demand, k), costs, replicas, prefill_backlog=prefill_backlog).classes[name]
+                return p.ttft_p95_s if which == 0 else p.tpot_p95_s
+
+            if predicted(factor) >= value:
+                continue
+            if predicted(cap) < value:
+                return cap
+            lo, hi = factor, cap
+            while hi - lo > 0.01:
+                mid = 0.5 * (lo + hi)
+                lo, hi = (lo, mid) if predicted(mid) >= value else (mid, hi)
+            factor = hi
+    return factor
 
 
 def bounded(n: int, low: int, high: int | None) -> int:
@@ -316,12 +373,15 @@ class Stabilizer:
 
     `needed`: the count for the demand expected once a new replica would be ready (the lead included); `measured`:
     the count for the demand measured now. Up at once to `needed`; down only when `window_s` has passed since the
-    last change, and only to the most `measured` asked for within the window (at least `needed`)."""
+    last change, and only to the most `measured` asked for within the window (at least `needed`), and only by more
+    than `fall_tolerance` of the count (Kubernetes' HPA ignores changes within 10 % the same way): one replica of
+    ten is not worth a change, and a fall from a spike then comes in one step rather than a small one first."""
 
     window_s: float = 300.0
     desired: int | None = None
     changed_at: float = -math.inf
     history: deque[tuple[float, int]] = field(default_factory=deque)
+    fall_tolerance: float = 0.1
 
     def update(self, now: float, needed: int, measured: int, low: int = 1, high: int | None = None) -> int:
         history = self.history
@@ -336,7 +396,7 @@ class Stabilizer:
         elif now - self.changed_at >= self.window_s:
             peak = bounded(max(n for _, n in history), low, high)
             lower = max(target, peak)
-            if lower < self.desired:
+            if lower < self.desired * (1.0 - self.fall_tolerance):
                 self._set(now, lower)
         assert self.desired is not None
         if not low <= self.desired <= (high if high is not None else self.desired):  # the bounds changed (reload)

@@ -6,7 +6,9 @@ What a share holds, per (pool, class): the arrival rate over the gateway's `capa
 arrivals ÷ its span), the window's sums (requests finished and answered, prompt, cached and output tokens, the
 gateway's own token estimates) and the requests waiting in its queue now; per (pool, role): the uncached prompt tokens
 it sent to the replicas that have not reached their first token; per pool: the engine costs it learnt; per (pool,
-role): its signal's memory (`Stabilizer`), so that a gateway starting next to running ones joins their figure.
+role): its signal's memory (`Stabilizer`), so that a gateway starting next to running ones joins their figure; per
+pool: the arrival rate's slope over the window and its variance; per (pool, class): the TTFT and TPOT p95 it measured
+recently.
 
 Merging, which is why the gateways agree:
 - rates, sums, queued requests and prefill backlogs add up (each request reached exactly one gateway);
@@ -15,7 +17,9 @@ Merging, which is why the gateways agree:
   gateways weighted by the samples behind it (at most `COST_MEMORY`, the learners' forgetting horizon: a gateway that
   learnt for a day does not outweigh one that learnt for the last minute); KV per replica is the smallest reported
   (the replicas are the same for all). Every gateway uses the merged costs for the signal, its own for routing;
-- signal memory: the largest desired count and its history, used only to seed a gateway that has none yet.
+- signal memory: the largest desired count and its history, used only to seed a gateway that has none yet;
+- slopes and their variances add up (a sum of independent arrival processes); measured p95s: the largest (a class
+  at risk behind any gateway is at risk).
 
 Pure: no I/O, no clock.
 """
@@ -63,6 +67,9 @@ class DemandShare:
     backlog: dict[Key, float] = field(default_factory=dict)  # (pool, role) → uncached tokens not yet prefilled
     costs: dict[str, CostShare] = field(default_factory=dict)  # pool → learnt engine costs
     stable: dict[Key, StableShare] = field(default_factory=dict)  # (pool, role) → the signal's memory
+    trends: dict[str, tuple[float, float]] = field(default_factory=dict)  # pool → arrival rate's (slope, variance)
+    latency: dict[Key, tuple[float | None, float | None]] = field(default_factory=dict)  # (pool, class) → measured
+    # recent TTFT and TPOT p95 (seconds; None: too few requests seen)
     gateways: int = 1  # how many gateways' shares this is the sum of
 
 
@@ -89,6 +96,8 @@ def encode(share: DemandShare) -> bytes:
               for pool, c in sorted(share.costs.items())],
         "s": [[pool, role, s.desired, round(s.since_change_s, 2), [[round(a, 2), n] for a, n in s.history]]
               for (pool, role), s in sorted(share.stable.items())],
+        "t": [[pool, slope, variance] for pool, (slope, variance) in sorted(share.trends.items())],
+        "l": [[pool, cls, ttft, tpot] for (pool, cls), (ttft, tpot) in sorted(share.latency.items())],
     })
 
 
@@ -114,6 +123,10 @@ def decode(blob: bytes) -> DemandShare:
         for pool, role, desired, since, history in raw["s"]:
             share.stable[(str(pool), str(role))] = StableShare(
                 int(desired), float(since), tuple((float(a), int(n)) for a, n in history))
+        for pool, slope, variance in raw.get("t", ()):  # absent from a gateway that publishes no trend
+            share.trends[str(pool)] = (float(slope), float(variance))
+        for pool, cls, ttft, tpot in raw.get("l", ()):
+            share.latency[(str(pool), str(cls))] = (_maybe(ttft), _maybe(tpot))
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed demand share: {exc}") from exc
     return share
@@ -138,6 +151,12 @@ def merge(shares: Sequence[DemandShare]) -> DemandShare:
             kept = out.stable.get(key)
             if kept is None or (stable.desired, -stable.since_change_s) > (kept.desired, -kept.since_change_s):
                 out.stable[key] = stable
+        for pool, (slope, variance) in share.trends.items():
+            kept_trend = out.trends.get(pool, (0.0, 0.0))
+            out.trends[pool] = (kept_trend[0] + slope, kept_trend[1] + variance)
+        for key, (ttft, tpot) in share.latency.items():
+            kept_ttft, kept_tpot = out.latency.get(key, (None, None))
+            out.latency[key] = (_largest(kept_ttft, ttft), _largest(kept_tpot, tpot))
     for pool in sorted({p for s in shares for p in s.costs}):
         out.costs[pool] = merge_costs([s.costs[pool] for s in shares if pool in s.costs])
     return out
@@ -159,3 +178,11 @@ def _weighted(points: Sequence[tuple[tuple[float, ...], float]]) -> tuple[float,
         points, total = [(v, 1.0) for v, _ in points], float(len(points))
     width = len(points[0][0])
     return tuple(sum(v[i] * w for v, w in points) / total for i in range(width))
+
+
+def _maybe(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _largest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -1,6 +1,7 @@
 """policies/capacity.py: the sizing model on crafted pools (compute-bound scales with demand, a KV-bound pool is sized
 by memory, queueing is counted, the gateway's backlog is demand), the signal's stability rules (up at once, down only
-after the window and only when N−1 met the window's peak, bounds, the start-up lead), and the decode step cost
+after the window and only when N−1 met the window's peak, bounds, the start-up lead from the arrival trend, the check
+against measured latency), and the decode step cost
 learnt from inter-token gaps (policies/latency_model.DecodeCost)."""
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import random
 
 import pytest
 
-from policies.capacity import (ClassDemand, EngineCosts, SizingParams, Stabilizer, lead_factor, predict, size)
+from policies.capacity import (
+    ClassDemand, EngineCosts, SizingParams, Stabilizer, Trend, arrival_trend, lead_factor, predict, risk_factor, scaled,
+    size,
+)
 from policies.latency_model import DecodeCost
 
 COSTS = EngineCosts(prefill_step_s=0.02, prefill_s_per_1k=0.06, decode_step_s=0.02, decode_s_per_seq=2e-4,
@@ -129,6 +133,20 @@ def test_down_waits_for_n_minus_one_to_meet_the_recent_peak() -> None:
     assert s.changed_at >= 300.0
 
 
+def test_a_fall_within_the_tolerance_is_not_a_change() -> None:
+    s = Stabilizer(window_s=60.0)
+    s.update(0.0, 10, 10)
+    for t in range(5, 200, 5):
+        s.update(float(t), 9, 9)
+    assert s.desired == 10 and s.changed_at == 0.0  # 10 → 9 is within 10 %: no change
+    for t in range(200, 300, 5):
+        s.update(float(t), 5, 5)
+    assert s.desired == 5  # a real fall, in one step once the window is past
+    s.update(300.0, 4, 4)
+    assert s.desired == 5
+    assert s.update(400.0, 4, 4) == 4  # small counts: one replica is more than 10 %
+
+
 def test_constant_demand_never_changes_the_signal() -> None:
     s = Stabilizer(window_s=60.0)
     values = {s.update(float(t), 3, 3) for t in range(0, 3600, 5)}
@@ -144,18 +162,76 @@ def test_bounds_hold_and_apply_when_they_change() -> None:
     assert s.update(80.0, 0, 0, low=2, high=6) == 2
 
 
+def _poisson(rng: random.Random, mean: float) -> int:
+    n, t = 0, rng.expovariate(1.0)
+    while t < mean:
+        n += 1
+        t += rng.expovariate(1.0)
+    return n
+
+
+def test_the_arrival_trend_is_the_rates_slope_through_the_windows_intervals() -> None:
+    # exact counts of a rate rising 0.1 req/s each second, in 5 s intervals (one shorter: a late tick)
+    bounds = [(0.0, 5.0), (5.0, 10.0), (10.0, 13.0), *((float(t), t + 5.0) for t in range(13, 58, 5))]
+    exact = arrival_trend([(a, b, (10.0 + 0.05 * (a + b)) * (b - a)) for a, b in bounds])
+    assert exact.slope == pytest.approx(0.1, rel=1e-9)
+    assert arrival_trend([(0.0, 5.0, 3.0), (5.0, 10.0, 4.0)]) == Trend()  # too few intervals: no slope
+
+
+def test_the_trends_error_is_calibrated_on_poisson_counts() -> None:
+    """Under constant load, the slope over its standard error is a unit normal: the lead's two-error gate passes
+    noise about one window in forty, whatever the rate."""
+    rng = random.Random(7)
+    for rate in (1.5, 30.0):
+        z = []
+        for _ in range(400):
+            trend = arrival_trend([(t * 0.5, t * 0.5 + 0.5, float(_poisson(rng, rate * 0.5))) for t in range(40)])
+            z.append(trend.slope / math.sqrt(trend.variance))
+        mean = sum(z) / len(z)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in z) / len(z))
+        assert abs(mean) < 0.2 and 0.8 < sd < 1.15, (rate, mean, sd)
+        assert sum(1 for v in z if v > 2.0) / len(z) < 0.05
+
+
 def test_a_rising_demand_is_led_by_the_start_up_time() -> None:
-    rising = [(float(t), 10.0 + t * 0.1) for t in range(0, 60, 5)]  # +0.1 req/s each second
-    factor = lead_factor(rising, horizon_s=120.0)
-    level = 10.0 + 55 * 0.1
-    assert factor == pytest.approx(1.0 + 0.1 * 120.0 / level, rel=1e-6)
-    assert lead_factor([(float(t), 10.0) for t in range(0, 60, 5)], 120.0) == 1.0
-    assert lead_factor([(float(t), 20.0 - t * 0.1) for t in range(0, 60, 5)], 120.0) == 1.0
-    assert lead_factor(rising, horizon_s=1e6) == 2.0  # capped
+    rising = Trend(slope=0.1, variance=0.02 ** 2)  # +0.1 req/s each second, five standard errors
+    factor = lead_factor(15.5, rising, horizon_s=120.0)
+    assert factor == pytest.approx(1.0 + 0.1 * 120.0 / 15.5, rel=1e-9)
+    assert lead_factor(15.5, Trend(0.1, 0.06 ** 2), 120.0) == 1.0  # under two standard errors: noise
+    assert lead_factor(15.5, Trend(-0.1, 0.02 ** 2), 120.0) == 1.0  # a fall is not led
+    assert lead_factor(15.5, Trend(), 120.0) == 1.0
+    assert lead_factor(15.5, rising, horizon_s=1e6) == 2.0  # capped
     # led demand sizes higher than the demand measured now
-    now = size("both", [chat(level)], COSTS).replicas
-    ahead = size("both", [chat(level * factor)], COSTS).replicas
+    now = size("both", [chat(15.5)], COSTS).replicas
+    ahead = size("both", [chat(15.5 * factor)], COSTS).replicas
     assert ahead > now
+
+
+def test_a_missed_target_the_model_does_not_predict_scales_the_demand_until_it_does() -> None:
+    demand = [chat(20.0, ttft=1.0, tpot=0.05)]
+    n = size("both", demand, COSTS).replicas
+    predicted = predict("both", demand, COSTS, n).classes["interactive"]
+    assert predicted.ttft_p95_s <= 1.0
+    # the targets met as measured, or a miss the model predicts already: the model holds
+    assert risk_factor("both", demand, COSTS, n, {"interactive": (0.8, 0.04)}) == 1.0
+    assert risk_factor("both", demand, COSTS, n, {"interactive": (None, None)}) == 1.0
+    slow = predict("both", scaled(demand, 1.6), COSTS, n).classes["interactive"].ttft_p95_s
+    assert slow > 1.0
+    assert risk_factor("both", scaled(demand, 1.6), COSTS, n, {"interactive": (slow * 0.9, None)}) == 1.0
+    # measured 1.2 s at n: the demand that gives 1.2 s in the model, and the count that meets the target for it
+    factor = risk_factor("both", demand, COSTS, n, {"interactive": (1.2, None)})
+    assert 1.3 < factor < 2.0
+    at = predict("both", scaled(demand, factor), COSTS, n).classes["interactive"].ttft_p95_s
+    assert at == pytest.approx(1.2, rel=0.05)
+    assert size("both", scaled(demand, factor), COSTS).replicas > n
+    # a TPOT miss counts for roles that decode only; a TTFT miss for roles that prefill only
+    assert risk_factor("prefill", demand, COSTS, n, {"interactive": (None, 0.2)}) == 1.0
+    assert risk_factor("decode", demand, COSTS, n, {"interactive": (5.0, None)}) == 1.0
+    assert risk_factor("decode", demand, COSTS, n, {"interactive": (None, 0.2)}) > 1.0
+    # failures (an infinite TTFT): at least the demand at which the model says n cannot keep up
+    failing = risk_factor("both", demand, COSTS, n, {"interactive": (math.inf, None)}, cap=4.0)
+    assert predict("both", scaled(demand, failing), COSTS, n).classes["interactive"].ttft_p95_s == math.inf
+    assert predict("both", scaled(demand, failing - 0.02), COSTS, n).classes["interactive"].ttft_p95_s < math.inf
 
 
 # ------------------------------------------------------------------------------------------------------------------

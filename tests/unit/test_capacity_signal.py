@@ -31,20 +31,26 @@ CONFIG = {
 
 
 def _record(pool: str, cls: str, at: float, prompt: int, cached: int, output: int, gap: float = 0.02,
-            replica: str = "") -> RequestRecord:
+            replica: str = "", ttft: float = 0.2) -> RequestRecord:
     return RequestRecord(
         api="chat", stream=True, t_arrival=at, pool=pool, replica=replica, traffic_class=cls, status=200,
-        prompt_tokens_est=prompt, t_sent=at, t_first_byte=at + 0.2, t_last_byte=at + 0.2 + gap * (output - 1),
+        prompt_tokens_est=prompt, t_sent=at, t_first_byte=at + ttft, t_last_byte=at + ttft + gap * (output - 1),
         usage={"prompt_tokens": prompt, "completion_tokens": output,
                "prompt_tokens_details": {"cached_tokens": cached}})
 
 
-def _feed(app, t0: float, rate: int, seconds: int, start: int = 0) -> None:  # type: ignore[no-untyped-def]
+def _feed(app, t0: float, rate: int, seconds: int, start: int = 0, ttft: float = 0.2,  # type: ignore[no-untyped-def]
+          rise: int = 0, slow_every: int = 1) -> None:
+    """`rate` requests a second (+ `rise` more each second); every `slow_every`-th has TTFT `ttft`, the rest 0.2 s."""
     gw = app.state.gateway
+    count = 0
     for s in range(start, start + seconds):
-        for i in range(rate):
-            at = t0 + s + i / rate
-            gw.capacity.observe(_record("chat", "interactive", at, 4000, 2500, 400, replica="http://127.0.0.1:9"))
+        n = rate + rise * (s - start)
+        for i in range(n):
+            at = t0 + s + i / n
+            count += 1
+            gw.capacity.observe(_record("chat", "interactive", at, 4000, 2500, 400, replica="http://127.0.0.1:9",
+                                        ttft=ttft if count % slow_every == 0 else 0.2))
             gw.capacity.observe(_record("long", "repository", at, 60_000, 20_000, 800, replica="http://127.0.0.1:12"))
         gw.capacity.tick(t0 + s + 1)
 
@@ -74,6 +80,37 @@ def test_finished_requests_become_the_demand_and_the_signal_is_the_models_answer
     _feed(app, t0, rate=24, seconds=12, start=12)
     doubled = gw.capacity.entries[("chat", "both")]
     assert doubled["desired"] >= 1.6 * entry["needed_now"]
+
+
+def test_a_target_missed_as_measured_raises_the_signal_at_once() -> None:
+    """Same demand, same costs: where the streams' TTFT p95 misses its target although the model predicts it met
+    (queueing the model does not see), the demand is scaled until the model reproduces what was measured."""
+    entries = {}
+    for ttft, every in ((0.2, 1), (2.5, 1), (2.5, 12)):
+        app = build_app(GatewayConfig.model_validate(CONFIG))
+        gw = app.state.gateway
+        _feed(app, gw.clock(), rate=6, seconds=12, ttft=ttft, slow_every=every)  # two replicas meet it, as modelled
+        entries[(ttft, every)] = gw.capacity.entries[("chat", "both")]
+    calm, slow, tail = entries[(0.2, 1)], entries[(2.5, 1)], entries[(2.5, 12)]
+    # one request in twelve slow (at most 3 of the half window's 30): the p95's lower confidence bound meets the
+    # target, so a tail that may be the p95's own 5 % is not a target at risk
+    assert tail["risk_factor"] == 1.0 and tail["demand"]["interactive"]["measured_ttft_p95_s"] == pytest.approx(0.2)
+    assert calm["risk_factor"] == 1.0 and calm["demand"]["interactive"]["measured_ttft_p95_s"] == pytest.approx(0.2)
+    assert slow["demand"]["interactive"]["measured_ttft_p95_s"] == pytest.approx(2.5)
+    assert slow["risk_factor"] > 1.0 and slow["desired"] > calm["desired"]
+    assert slow["needed_now"] == size("both", [_demand_of(slow, slow["risk_factor"])], _costs_of(slow)).replicas
+
+
+def test_a_steep_rise_is_led_by_the_start_up_and_a_steady_one_is_not() -> None:
+    config = {**CONFIG, "capacity": {**CONFIG["capacity"], "startup_s": 20}}
+    leads = {}
+    for rise in (0, 3):
+        app = build_app(GatewayConfig.model_validate(config))
+        gw = app.state.gateway
+        _feed(app, gw.clock(), rate=6, seconds=12, rise=rise)
+        leads[rise] = gw.capacity.entries[("chat", "both")]["lead_factor"]
+    assert leads[0] == 1.0  # steady: noise is not a trend
+    assert leads[3] > 1.5  # +3 req/s each second against ~30 req/s, led by the 20 s start-up + half the window
 
 
 def test_the_gauge_sits_beside_the_pools_replica_count_with_one_series_per_role() -> None:
@@ -144,9 +181,9 @@ def test_the_decode_step_is_learnt_from_the_streams_gaps() -> None:
     assert cost.seconds(29, 1050) == pytest.approx(0.039, rel=0.15)
 
 
-def _demand_of(entry: dict) -> ClassDemand:  # type: ignore[type-arg]
+def _demand_of(entry: dict, factor: float = 1.0) -> ClassDemand:  # type: ignore[type-arg]
     d = entry["demand"]["interactive"]
-    return ClassDemand("interactive", d["rate_per_s"], d["prompt_tokens"], d["uncached_tokens"], d["output_tokens"],
+    return ClassDemand("interactive", d["rate_per_s"] * factor, d["prompt_tokens"], d["uncached_tokens"], d["output_tokens"],
                        d["ttft_p95_target_s"], d["tpot_p95_target_s"], d["queued"])
 
 

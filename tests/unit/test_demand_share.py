@@ -42,7 +42,11 @@ def test_a_share_survives_the_wire() -> None:
     assert back.sums == {**share.sums, ("long", "repository"): [0.0] * 6}
     assert back.queued[("chat", "interactive")] == 2 and back.queued[("long", "repository")] == 0
     assert back.costs == share.costs and back.stable == share.stable
-    assert len(encode(share)) < 400  # a tick's whole publication for two classes and a pool
+    share.trends["chat"] = (0.05, 0.0004)
+    share.latency[("chat", "interactive")] = (1.25, None)
+    back = decode(encode(share))
+    assert back.trends == share.trends and back.latency == share.latency
+    assert len(encode(share)) < 450  # a tick's whole publication for two classes and a pool
 
 
 @pytest.mark.parametrize("blob", [
@@ -69,6 +73,22 @@ def test_rates_sums_queues_and_backlogs_add_and_the_mix_is_the_weighted_one() ->
     # a class only one gateway saw is kept as it is; the inputs are not modified
     b.rates[("long", "repository")] = 0.25
     assert merge([a, b]).rates[("long", "repository")] == 0.25 and a.sums[key][1] == 30
+
+
+def test_trends_add_and_the_largest_measured_p95_is_kept() -> None:
+    a, b = _share(3.0, 30, 1000), _share(1.0, 10, 5000)
+    a.trends["chat"], b.trends["chat"] = (0.2, 0.01), (-0.05, 0.04)
+    a.latency[("chat", "interactive")] = (0.8, 0.05)
+    b.latency[("chat", "interactive")] = (2.5, None)
+    b.latency[("chat", "repository")] = (None, 0.12)
+    merged = merge([a, b])
+    assert merged.trends["chat"] == pytest.approx((0.15, 0.05))  # independent arrivals: slopes and variances add
+    assert merged.latency[("chat", "interactive")] == (2.5, 0.05)  # at risk behind any gateway: at risk
+    assert merged.latency[("chat", "repository")] == (None, 0.12)
+    # a share published without trends or latencies (an older gateway) still decodes
+    old = orjson.loads(encode(a))
+    del old["t"], old["l"]
+    assert decode(orjson.dumps(old)).trends == {}
 
 
 def test_costs_are_weighted_by_their_samples_capped_at_the_learners_memory() -> None:
