@@ -21,6 +21,7 @@ from gateway.errors import error_response, rejected_response
 from gateway.metrics import metrics_routes
 from gateway.runtime import Gateway
 from policies.errors import RequestRejected
+from policies.vllm_wire import connection_refused
 
 log = logging.getLogger("m3gate")
 
@@ -96,8 +97,11 @@ async def tokenize(request: Request) -> Any:
                     data = await resp.read()
                     return Response(data, resp.status, media_type="application/json",
                                     headers={"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url})
-            except Exception:  # noqa: BLE001 - try the next replica
-                replica.record_failure(gw.clock())
+            except Exception as exc:  # noqa: BLE001 - try the next replica
+                if connection_refused(exc):  # nothing listens: shutting down or restarting, not a failure to eject
+                    replica.start_draining("connection refused")
+                else:
+                    replica.record_failure(gw.clock())
     return error_response(503, "No healthy replica can tokenize right now; retry shortly.", "upstream_error",
                           code="no_healthy_replica", headers={"retry-after": "1"})
 

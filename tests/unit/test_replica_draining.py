@@ -110,3 +110,44 @@ def test_the_monitor_keeps_a_replica_drained_until_it_takes_requests_again(how: 
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+def test_the_tokenize_proxy_drains_a_replica_that_refuses_connections_and_asks_the_next() -> None:
+    """POST /tokenize through the gateway: a replica whose port refuses the connection (a restart, a stop) is drained,
+    not ejected as failed, and the next replica answers."""
+    import httpx
+
+    from gateway.app import build_app
+    from gateway.launcher import free_port
+    from policies.config import GatewayConfig
+
+    async def run() -> None:
+        fake = FakeVllm()
+        app = web.Application()
+        app.router.add_post("/tokenize", fake.tokenize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        closed = f"http://127.0.0.1:{free_port()}"
+        config = GatewayConfig.model_validate({"model": "m", "pools": [
+            {"name": "chat", "max_model_len": 32768, "endpoints": [closed, f"http://127.0.0.1:{port}"]}]})
+        gateway_app = build_app(config)
+        gw = gateway_app.state.gateway
+        try:
+            async with aiohttp.ClientSession() as session:
+                gw.session = session
+                transport = httpx.ASGITransport(app=gateway_app, client=("127.0.0.1", 4000))
+                async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                    resp = await client.post("/tokenize", json={"model": "m", "prompt": "one two three"})
+            assert resp.status_code == 200 and resp.json()["count"] == 3
+            assert resp.headers["x-m3gate-endpoint"] == f"http://127.0.0.1:{port}"
+            refused = gw.pools["chat"].replicas[closed]
+            assert refused.drain_state is not None and refused.consecutive_failures == 0
+            assert gw.clock() >= refused.ejected_until  # not ejected: back as soon as a probe finds it serving
+        finally:
+            gw.session = None
+            await runner.cleanup()
+
+    asyncio.run(run())
