@@ -21,13 +21,23 @@ every gateway publishes the same figure (within a tick) and an autoscaler reads 
 state, or Redis unreachable) the gateway sizes for the requests it sees itself; GET /admin/capacity says which
 (`demand_source`: "shared" or "local", and `demand_gateways`).
 
+Two checks on the demand measured, both shared between gateways:
+- the trend: each interval's arrivals (disjoint, so independent counts) give the rate's slope and its error
+  (`arrival_trend`); a slope beyond two errors leads the demand by `startup_s` plus half the window (the window's
+  rate is the rate at its middle);
+- the latencies: the TTFT and TPOT p95 of each class's streams that finished in the last half window (a lower 99%
+  confidence bound, so a slow request or two is not a risk); where one misses its target although the model
+  predicts it met at the replicas serving, the demand is scaled until the model predicts what was measured
+  (`risk_factor`): a target at risk raises the signal at once, whether the rate lags a steep rise or the model
+  misses queueing it does not see.
+
 A fresh gateway publishes nothing for its first `window_s` (it has seen too little to ask for fewer replicas than
 run) unless running gateways share their signal's memory, which it then starts from; from then on the `Stabilizer`
-rules apply: rises sized on the arrival
-rates' lower bound (one Poisson standard deviation below the count, led by the trend) and falls on the window's
-peak of the rates as measured, so that a few requests more or fewer in a window move nothing.
+rules apply: rises sized on the arrival rates' lower bound (one Poisson standard deviation below the count), or on
+the rates as measured where a trend beyond its noise leads them, and falls on the window's peak of the rates as
+measured, so that a few requests more or fewer in a window move nothing.
 
-`observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode sample);
+`observe(record)` is the one per-request hook (a dict update; a few µs for a stream's decode and latency sample);
 everything else runs on the timer.
 """
 
@@ -41,8 +51,8 @@ from typing import Any
 
 from gateway.record import RequestRecord
 from policies.capacity import (
-    ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, Trend, arrival_trend, lead_factor, predict, risk_factor,
-    scaled, size,
+    ClassDemand, EngineCosts, Prediction, Sizing, Stabilizer, Trend, arrival_trend, lead_factor, predict, rising,
+    risk_factor, scaled, size,
 )
 from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
@@ -283,22 +293,25 @@ class CapacitySignal:
         for name, pool in list(gw.pools.items()):
             demand = self._demand(name, merged)
             # the window's rate is the rate at its middle: lead by half the window besides the start-up
-            factor = lead_factor(sum(d.rate for d in demand), Trend(*merged.trends.get(name, (0.0, 0.0))),
-                                 cfg.startup_s + self._span / 2.0)
+            trend = Trend(*merged.trends.get(name, (0.0, 0.0)))
+            factor = lead_factor(sum(d.rate for d in demand), trend, cfg.startup_s + self._span / 2.0)
             # a rise is asked for on the rates' lower bound (one Poisson standard deviation below the count): a
-            # window holding a few requests more than usual is noise, not a target at risk
-            lower = self._demand(name, merged, z=1.0)
+            # window holding a few requests more than usual is noise, not a target at risk; a trend beyond its
+            # noise is not, and leads the rates as measured
+            lower = self._demand(name, merged, z=1.0 if factor <= 1.0 else 0.0)
             latency = {cls: p95s for (p, cls), p95s in merged.latency.items() if p == name}
             roles = ("prefill", "decode") if pool.disaggregated else ("both",)
             for role in roles:
-                self._size_role(now, name, pool, role, merged, demand, lower, factor, latency, measuring)
+                self._size_role(now, name, pool, role, merged, demand, lower, (factor, rising(trend)), latency,
+                                measuring)
 
     def _size_role(self, now: float, name: str, pool: Any, role: str, merged: DemandShare, demand: list[ClassDemand],
-                   lower: list[ClassDemand], factor: float,
+                   lower: list[ClassDemand], trend: tuple[float, bool],
                    latency: dict[str, tuple[float | None, float | None]], measuring: bool) -> None:
         """One pool role's sizing and signal: for the demand measured (falls) and for its lower bound led by the
-        trend (rises), both scaled by the check against the latencies measured."""
+        trend (rises), both scaled by the check against the latencies measured; no fall while the demand rises."""
         cfg, bounds = self._gw.config.capacity, pool.config.capacity
+        factor, rises = trend
         costs = self._merged_costs(name, pool, role, merged)
         current = len(pool.of_role(role)) if pool.disaggregated else len(pool.replicas)
         backlog = merged.backlog.get((name, role), 0.0)
@@ -318,7 +331,8 @@ class CapacitySignal:
         if stable is None:  # it starts from the replicas running: falling below them waits for the window
             stable = self._stable[(name, role)] = Stabilizer(cfg.scale_down_stabilization_s, current or None, now)
         stable.window_s = cfg.scale_down_stabilization_s
-        desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas, bounds.max_replicas)
+        desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas, bounds.max_replicas,
+                                hold=rises)
         self.entries[(name, role)] = _entry(
             name, role, current, desired, needed, measured, (factor, risk), demand, latency, costs,
             now - stable.changed_at, backlog, at_current, predict(role, led, costs, desired, prefill_backlog=backlog))

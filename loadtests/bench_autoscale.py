@@ -218,7 +218,8 @@ def model_check(policy: M3gateSignal, setup: Setup, t0: float, day: Day) -> list
             pred = [p.get(cls, {}) for p in at_serving]
             sent = [r for r in setup.results.get(cls, []) if start <= r.t_send < end]
             m = class_summary(sent, cls)
-            row[cls] = {"predicted_ttft_p95_s": _median([p.get("ttft_p95_s") for p in pred]),
+            row[cls] = {"attainment_pct": m["attainment_pct"],
+                        "predicted_ttft_p95_s": _median([p.get("ttft_p95_s") for p in pred]),
                         "measured_ttft_p95_s": m["ttft_p95_s"],
                         "predicted_tpot_p95_s": _median([p.get("tpot_p95_s") for p in pred]),
                         "measured_tpot_p95_s": m["tpot_p95_s"], "requests": m["requests"]}
@@ -290,12 +291,13 @@ def markdown(summary: dict[str, Any]) -> str:
     if summary.get("model_check"):
         lines += ["", "m3gate's model at the counts it chose (median over the phase of its p95 at the measured demand "
                   "and the serving count, against the p95 measured on the phase's requests; seconds):", "",
-                  "| phase | desired | serving | bottleneck | int. TTFT pred/meas | int. TPOT pred/meas | "
-                  "repo TTFT pred/meas | repo TPOT pred/meas |", "|---|---:|---:|---|---|---|---|---|"]
+                  "| phase | desired | serving | bottleneck | int. met | int. TTFT pred/meas | int. TPOT pred/meas | "
+                  "repo met | repo TTFT pred/meas | repo TPOT pred/meas |", "|---|---:|---:|---|---:|---|---|---:|---|---|"]
         for row in summary["model_check"]:
             cells = []
             for cls in CLASSES:
                 r = row[cls]
+                cells.append(f"{_f(r.get('attainment_pct'))}%")
                 cells.append(f"{_f(r['predicted_ttft_p95_s'], 2)} / {_f(r['measured_ttft_p95_s'], 2)}")
                 cells.append(f"{_f(r['predicted_tpot_p95_s'], 3)} / {_f(r['measured_tpot_p95_s'], 3)}")
             lines.append(f"| {row['phase']} | {_f(row['desired'])} | {_f(row['serving'])} | {row['bottleneck']} | "

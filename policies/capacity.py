@@ -34,7 +34,7 @@ TPOT and KV.
 
 `Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
 the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
-the window's peak), within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead (a slope
+the window's peak), by more than 10% of the count and not while the demand rises, within the pool's bounds. `lead_factor` extrapolates a rising demand `startup_s` ahead (a slope
 beyond two standard errors of its noise, `arrival_trend`, so that noise under constant load is not a trend).
 `risk_factor` checks the model against the latencies measured: a target missed at the serving count that the model
 does not predict scales the demand until it does, so a target at risk raises the signal at once.
@@ -218,14 +218,16 @@ def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, outp
     prefills that land on the replica while it decodes, which stall it whole. Over a stream of `output_tokens` at
     the mean `tpot` (D seconds) they are compound Poisson: mean ρp · D, variance D · Σλ·s² (`prefill_m2`, per
     replica); a short answer meets a long prompt's prefill undiluted, which the mean step 1/(1 − ρp) hides.
-    `jumps`: (prefill seconds, rate per replica of prefills at least that long), longest first."""
+    `jumps`: (prefill seconds, rate per replica of prefills at least that long)."""
     span = output_tokens * tpot
     stalls = rho_p * span + _Z95 * math.sqrt(span * prefill_m2)
-    # rare long prefills are not normal: if one of size ≥ s lands in more than 5% of the streams, the p95 holds it
+    # rare long prefills are not normal. A chunked prefill of S seconds stalls a stream of span D by x or more when
+    # it starts within D + S − x of its decoding (one that started up to S before still overlaps it), so at a rate λ
+    # of such prefills the stall's p95 is x = D + S + ln(0.95) / λ, within [0, S]
     for stall, rate in jumps:
-        if 1.0 - math.exp(-rate * span) >= _TAIL:
-            stalls = max(stalls, stall + rho_p * span)
-            break
+        if rate > 0.0:
+            x = min(stall, max(0.0, span + stall + math.log(1.0 - _TAIL) / rate))
+            stalls = max(stalls, x + rho_p * span)
     return step + stalls / (output_tokens - 1.0)
 
 
@@ -313,7 +315,7 @@ def arrival_trend(intervals: Iterable[tuple[float, float, float]]) -> Trend:
     return Trend(slope, dispersion * rate / sxx)
 
 
-def lead_factor(rate: float, trend: Trend, horizon_s: float, cap: float = 2.0, z: float = 2.0) -> float:
+def lead_factor(rate: float, trend: Trend, horizon_s: float, cap: float = 3.0, z: float = 2.0) -> float:
     """How much higher the demand will be `horizon_s` from now: 1 + slope · horizon / rate where the rate rises
     beyond `z` standard errors of its slope (noise under constant load is not a trend), else 1 (a fall waits for the
     stabilization window anyway); at most `cap`. The horizon is a new replica's start-up plus half the window the
@@ -321,6 +323,12 @@ def lead_factor(rate: float, trend: Trend, horizon_s: float, cap: float = 2.0, z
     if rate <= 0.0 or horizon_s <= 0.0 or trend.slope <= z * math.sqrt(max(trend.variance, 0.0)):
         return 1.0
     return min(cap, 1.0 + trend.slope * horizon_s / rate)
+
+
+def rising(trend: Trend, z: float = 1.0) -> bool:
+    """Whether the rate rises beyond `z` standard errors of its slope: a fall is not asked for against it (a rise
+    needs two errors to lead; holding off a fall needs one, as a fall can wait)."""
+    return trend.slope > z * math.sqrt(max(trend.variance, 0.0))
 
 
 def scaled(demand: Sequence[ClassDemand], factor: float) -> list[ClassDemand]:
@@ -375,7 +383,8 @@ class Stabilizer:
     the count for the demand measured now. Up at once to `needed`; down only when `window_s` has passed since the
     last change, and only to the most `measured` asked for within the window (at least `needed`), and only by more
     than `fall_tolerance` of the count (Kubernetes' HPA ignores changes within 10 % the same way): one replica of
-    ten is not worth a change, and a fall from a spike then comes in one step rather than a small one first."""
+    ten is not worth a change, and a fall from a spike then comes in one step rather than a small one first. `hold`
+    (the demand's trend is rising): no fall now."""
 
     window_s: float = 300.0
     desired: int | None = None
@@ -383,7 +392,8 @@ class Stabilizer:
     history: deque[tuple[float, int]] = field(default_factory=deque)
     fall_tolerance: float = 0.1
 
-    def update(self, now: float, needed: int, measured: int, low: int = 1, high: int | None = None) -> int:
+    def update(self, now: float, needed: int, measured: int, low: int = 1, high: int | None = None,
+               hold: bool = False) -> int:
         history = self.history
         history.append((now, measured))
         while history and history[0][0] < now - self.window_s:
@@ -393,7 +403,7 @@ class Stabilizer:
             self._set(now, max(target, bounded(measured, low, high)))
         elif target > self.desired:
             self._set(now, target)
-        elif now - self.changed_at >= self.window_s:
+        elif now - self.changed_at >= self.window_s and not hold:  # hold: the demand is rising
             peak = bounded(max(n for _, n in history), low, high)
             lower = max(target, peak)
             if lower < self.desired * (1.0 - self.fall_tolerance):

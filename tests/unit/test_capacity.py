@@ -12,8 +12,8 @@ import random
 import pytest
 
 from policies.capacity import (
-    ClassDemand, EngineCosts, SizingParams, Stabilizer, Trend, arrival_trend, lead_factor, predict, risk_factor, scaled,
-    size,
+    ClassDemand, EngineCosts, SizingParams, Stabilizer, Trend, arrival_trend, lead_factor, predict, rising, risk_factor,
+    scaled, size,
 )
 from policies.latency_model import DecodeCost
 
@@ -147,6 +147,16 @@ def test_a_fall_within_the_tolerance_is_not_a_change() -> None:
     assert s.update(400.0, 4, 4) == 4  # small counts: one replica is more than 10 %
 
 
+def test_no_fall_while_the_demand_rises() -> None:
+    s = Stabilizer(window_s=60.0)
+    s.update(0.0, 4, 4)
+    for t in range(5, 120, 5):  # the window has passed and 2 would do, but the rate is rising: hold
+        s.update(float(t), 2, 2, hold=rising(Trend(0.05, 0.03 ** 2)))
+    assert s.desired == 4
+    assert not rising(Trend(0.02, 0.03 ** 2)) and rising(Trend(0.05, 0.03 ** 2))
+    assert s.update(125.0, 2, 2, hold=False) == 2
+
+
 def test_constant_demand_never_changes_the_signal() -> None:
     s = Stabilizer(window_s=60.0)
     values = {s.update(float(t), 3, 3) for t in range(0, 3600, 5)}
@@ -160,6 +170,23 @@ def test_bounds_hold_and_apply_when_they_change() -> None:
     assert s.update(10.0, 50, 50, low=1, high=6) == 6  # a reload lowered the bound: applied at once
     assert s.update(15.0, 0, 0, low=2, high=6) == 6  # falling still waits for the window
     assert s.update(80.0, 0, 0, low=2, high=6) == 2
+
+
+def test_a_short_answer_is_stalled_by_a_long_prefill_that_started_before_it_decodes() -> None:
+    """A 24-token answer decodes for 0.36 s; 1.2 s chunked prefills arrive on its replica. One that starts up to
+    1.2 s before it decodes still overlaps it, by less the earlier it started: the stall's p95 is the overlap only 5%
+    of the streams exceed, D + S + ln(0.95)/λ, growing smoothly with the rate up to the whole prefill."""
+    from policies.capacity import _tpot95_tail
+
+    def stall(rate: float) -> float:
+        return (_tpot95_tail(0.015, 0.015, 0.0, 0.0, 24.0, [(1.2, rate)]) - 0.015) * 23.0
+
+    assert stall(0.06) == pytest.approx(0.36 + 1.2 + math.log(0.95) / 0.06, rel=1e-9)  # 0.71 s, in 9% of streams
+    assert stall(0.02) == 0.0  # 3% of the streams overlap one at all: not the p95
+    assert stall(0.5) == pytest.approx(1.2)  # one starts within every stream's own 0.36 s often enough: all of it
+    rates = [0.03 + 0.001 * i for i in range(200)]
+    stalls = [stall(r) for r in rates]
+    assert stalls == sorted(stalls) and max(b - a for a, b in zip(stalls, stalls[1:])) < 0.1  # no jump
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
@@ -200,7 +227,7 @@ def test_a_rising_demand_is_led_by_the_start_up_time() -> None:
     assert lead_factor(15.5, Trend(0.1, 0.06 ** 2), 120.0) == 1.0  # under two standard errors: noise
     assert lead_factor(15.5, Trend(-0.1, 0.02 ** 2), 120.0) == 1.0  # a fall is not led
     assert lead_factor(15.5, Trend(), 120.0) == 1.0
-    assert lead_factor(15.5, rising, horizon_s=1e6) == 2.0  # capped
+    assert lead_factor(15.5, rising, horizon_s=1e6) == 3.0  # capped
     # led demand sizes higher than the demand measured now
     now = size("both", [chat(15.5)], COSTS).replicas
     ahead = size("both", [chat(15.5 * factor)], COSTS).replicas
