@@ -76,20 +76,24 @@ class FakeVllm:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def serve(self) -> tuple[web.AppRunner, int]:
+        """Listening on a free loopback port: the runner (to clean up) and the port."""
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/metrics", self.metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
 
 @pytest.mark.parametrize("how", ["shutting_down", "engine_dead"])
 def test_the_monitor_keeps_a_replica_drained_until_it_takes_requests_again(how: str) -> None:
     async def run() -> None:
         fake = FakeVllm()
-        app = web.Application()
-        app.router.add_get("/health", fake.health)
-        app.router.add_post("/tokenize", fake.tokenize)
-        app.router.add_get("/metrics", fake.metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await fake.serve()
         replica = Replica(url=f"http://127.0.0.1:{port}", pool="p")
         try:
             async with aiohttp.ClientSession() as session:
@@ -123,13 +127,7 @@ def test_the_tokenize_proxy_drains_a_replica_that_refuses_connections_and_asks_t
 
     async def run() -> None:
         fake = FakeVllm()
-        app = web.Application()
-        app.router.add_post("/tokenize", fake.tokenize)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await fake.serve()
         closed = f"http://127.0.0.1:{free_port()}"
         config = GatewayConfig.model_validate({"model": "m", "pools": [
             {"name": "chat", "max_model_len": 32768, "endpoints": [closed, f"http://127.0.0.1:{port}"]}]})
