@@ -213,6 +213,11 @@ def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Clien
         "classification": {"output_budget": {"adaptive": 64, "enabled": 64, "disabled": 64}},
     }, timeout=180)  # the two vLLM servers beside it may hold the machine's two cores for a while
     try:
+        # a client waits for readiness (its monitor has found both roles healthy): a health probe that timed out
+        # while the gateway itself was starting on the busy cores leaves the pool unavailable for a second
+        deadline = time.monotonic() + 120.0
+        while client.get(gw.url + "/ready", timeout=5).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
         sdk = openai.OpenAI(base_url=gw.base_url, api_key="k", max_retries=0, timeout=300)
         before = metrics(client, pd_pair.decode.url)
         stream = sdk.chat.completions.create(
