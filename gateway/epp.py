@@ -137,8 +137,9 @@ class Exchange:
         self.api = GENERATE_PATHS.get(request.scope["path"], "") if request.scope["method"] == "POST" else ""
         declared = request.headers.get("content-length", "")
         if not self.api:
-            if not (declared.isdigit() and await self._over_limit(int(declared))) \
-                    and message.request_headers.end_of_stream:
+            if declared.isdigit() and await self._over_limit(int(declared)):
+                return
+            if message.request_headers.end_of_stream:
                 await self.answer_locally()
             return
         gw = self.picker.gw
