@@ -44,7 +44,9 @@ class Learning:
             self.ratio(pool, record.prompt_tokens_raw, counted)
 
     def ratio(self, pool: str, estimated: int, counted: int) -> None:
-        if self.gw.estimates.observe(pool, estimated, counted):
+        """One count for the pool's token-estimate ratio; logged only when it moved materially, once a minute at
+        most per pool (policies/estimates.py decides)."""
+        if self.gw.estimates.observe(pool, estimated, counted, self.gw.clock()):
             log.warning("pool %s: its replicas count %.2f× the gateway's token estimate; pool choice now corrects "
                         "for it (set classification.calibration_factor to match)", pool, self.gw.estimates.ratio(pool))
 
