@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
+import re._parser as sre_parse  # the regex parse tree a pattern's example string is written from
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -334,7 +336,7 @@ def _object(schema: dict[str, Any], root: Any, rng: random.Random, depth: int) -
 def _array(schema: dict[str, Any], root: Any, rng: random.Random, depth: int) -> list[Any]:
     prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
     low = max(int(schema.get("minItems", 0)), len(prefix))
-    high = max(low, int(schema.get("maxItems", max(low, 3))))
+    high = max(low, int(schema.get("maxItems", len(prefix) if schema.get("items") is False else max(low, 3))))
     count = low if depth >= _MAX_DEPTH else rng.randint(min(max(low, 1), high), high)
     items = schema.get("items", {}) if isinstance(schema.get("items", {}), dict) else {}
     values: list[Any] = []
@@ -371,6 +373,11 @@ def _string(schema: dict[str, Any], rng: random.Random) -> str:
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     if fmt in _FORMAT_VALUES:
         return _FORMAT_VALUES[fmt]
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        matching = _matching(pattern, rng)
+        if matching is not None:
+            return matching
     text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 4)))
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
     while len(text) < low:
@@ -378,3 +385,74 @@ def _string(schema: dict[str, Any], rng: random.Random) -> str:
     if isinstance(high, int):
         text = text[:high].rstrip() if len(text[:high].rstrip()) >= low else text[:high]
     return text
+
+
+def _matching(pattern: str, rng: random.Random) -> str | None:
+    """A string that `pattern` matches, written from its parse tree (literals, classes, repeats, groups,
+    alternatives); None for what that cannot write (lookarounds, back-references) or a pattern that does not parse."""
+    try:
+        text = "".join(_from_tree(sre_parse.parse(pattern), rng))
+    except (re.error, ValueError, KeyError, IndexError, RecursionError):
+        return None
+    return text if re.search(pattern, text) else None
+
+
+def _from_tree(tree: Any, rng: random.Random) -> list[str]:
+    out: list[str] = []
+    for op, arg in tree:
+        name = str(op)
+        if name == "LITERAL":
+            out.append(chr(arg))
+        elif name == "NOT_LITERAL":
+            out.append("a" if chr(arg) != "a" else "b")
+        elif name == "ANY":
+            out.append(rng.choice("abcxyz"))
+        elif name == "IN":
+            out.append(_from_class(arg, rng))
+        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, sub = arg
+            for _ in range(rng.randint(low, min(high, low + 3))):
+                out += _from_tree(sub, rng)
+        elif name == "SUBPATTERN":
+            out += _from_tree(arg[-1], rng)
+        elif name == "BRANCH":
+            out += _from_tree(rng.choice(arg[1]), rng)
+        elif name == "CATEGORY":
+            out.append(_CATEGORIES[str(arg)])
+        elif name != "AT":
+            raise ValueError(name)
+    return out
+
+
+_CATEGORIES = {"CATEGORY_DIGIT": "7", "CATEGORY_WORD": "w", "CATEGORY_SPACE": " ", "CATEGORY_NOT_DIGIT": "x",
+               "CATEGORY_NOT_WORD": "-", "CATEGORY_NOT_SPACE": "s"}
+
+
+def _from_class(items: Any, rng: random.Random) -> str:
+    if items and str(items[0][0]) == "NEGATE":
+        for candidate in "aZ7_- .":
+            if re.fullmatch(f"[{_class_source(items[1:])}]", candidate) is None:
+                return candidate
+        raise ValueError("class")
+    op, arg = rng.choice(items)
+    name = str(op)
+    if name == "LITERAL":
+        return chr(arg)
+    if name == "RANGE":
+        return chr(rng.randint(arg[0], arg[1]))
+    if name == "CATEGORY":
+        return _CATEGORIES[str(arg)]
+    raise ValueError(name)
+
+
+def _class_source(items: Any) -> str:
+    parts = []
+    for op, arg in items:
+        name = str(op)
+        if name == "LITERAL":
+            parts.append(re.escape(chr(arg)))
+        elif name == "RANGE":
+            parts.append(f"{re.escape(chr(arg[0]))}-{re.escape(chr(arg[1]))}")
+        elif name == "CATEGORY":
+            parts.append({"CATEGORY_DIGIT": r"\d", "CATEGORY_WORD": r"\w", "CATEGORY_SPACE": r"\s"}.get(str(arg), ""))
+    return "".join(parts)
