@@ -147,7 +147,7 @@ def validate(constraint: Constraint | None) -> None:
 _TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
                      "uri-reference", "json-pointer"})  # what xgrammar compiles; llguidance refuses the others
-_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "contains", "propertyNames", "if", "then", "else")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"))
 
@@ -160,14 +160,16 @@ def _bound_problem(schema: dict[str, Any]) -> str | None:
     for low, high in _BOUNDS:
         lo, hi = schema.get(low), schema.get(high)
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
-            return f"Unsatisfiable schema: {low} ({_number(lo)}) is greater than {high} ({_number(hi)})"
+            return f"{low} ({_number(lo)}) is greater than {high} ({_number(hi)})"
     lo, hi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo >= hi:
         word = "equal to" if lo == hi else "greater than"
-        return f"Unsatisfiable schema: exclusiveMinimum ({_number(lo)}) is {word} exclusiveMaximum ({_number(hi)})"
+        return f"exclusiveMinimum ({_number(lo)}) is {word} exclusiveMaximum ({_number(hi)})"
     lo, hi = schema.get("minProperties"), schema.get("maxProperties")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
-        return "Unsatisfiable schema: minProperties > maxProperties"
+        return "minProperties > maxProperties"
+    if schema.get("enum") == []:
+        return "anyOf is empty"
     return None
 
 
@@ -184,23 +186,53 @@ def _keyword_problem(schema: dict[str, Any], root: Any) -> str | None:
         return "properties must be an object"
     if "required" in schema and not isinstance(schema["required"], list):
         return f"Expected array for 'required', got {json.dumps(schema['required'])}"
-    if "enum" in schema:
-        if not isinstance(schema["enum"], list):
-            return "enum must be an array"
-        if not schema["enum"]:
-            return "Unsatisfiable schema: anyOf is empty"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return "enum must be an array"
+    if "uniqueItems" in schema:  # xgrammar declines it (vLLM's check), llguidance does not implement it
+        return 'Unimplemented keys: ["uniqueItems"]'
+    if schema.get("multipleOf") == 0:
+        return "invalid multiple of"
     fmt = schema.get("format")
     if isinstance(fmt, str) and "string" in kinds and fmt not in FORMATS:
         return f"Unknown format: {fmt}"
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#") and _resolve(root, ref) is None:
         return f"Pointer '{ref[1:]}' does not exist"
-    return _bound_problem(schema)
+    pattern = schema.get("pattern")
+    return _regex_problem(pattern) if isinstance(pattern, str) else None
+
+
+_RUST_REGEX_ERRORS = {"missing ), unterminated subpattern": "unclosed group",
+                      "unterminated character set": "unclosed character class"}
+
+
+def _regex_problem(pattern: str) -> str | None:
+    """The regex crate's report of a pattern that does not parse, for the mistakes it words like Python's `re`
+    (an unclosed group or character class); other patterns are accepted."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        words = _RUST_REGEX_ERRORS.get(exc.msg)
+        if words is not None and exc.pos is not None and "\n" not in pattern:
+            return f"regex parse error:\n    {pattern}\n    {' ' * exc.pos}^\nerror: {words}"
+    return None
 
 
 def schema_problem(schema: Any, root: Any) -> str | None:
-    """llguidance's complaint about a JSON schema (its words), or None when it compiles. Covers the mistakes a
-    client makes: unknown types and formats, misshapen keywords, contradictory bounds, dangling `$ref`s."""
+    """llguidance's complaint about a JSON schema (its words), or None when vLLM compiles it. Covers the mistakes a
+    client makes: unknown types and formats, misshapen keywords, dangling `$ref`s anywhere; contradictory bounds
+    where they leave no value (the root, or a required property: an optional property or an array's items that
+    cannot be satisfied are left out, as llguidance leaves them)."""
+    problem = _structural_problem(schema, root)
+    if problem is not None:
+        return problem
+    reason = unsatisfiable(schema, root)
+    return None if reason is None else f"Unsatisfiable schema: {reason}"
+
+
+def _structural_problem(schema: Any, root: Any, seen: set[str] | None = None) -> str | None:
+    """The first misshapen keyword in `schema` or a subschema it uses (`$ref` targets once each; definitions no
+    `$ref` points at are not compiled)."""
     if isinstance(schema, bool):
         return None
     if not isinstance(schema, dict):
@@ -208,19 +240,40 @@ def schema_problem(schema: Any, root: Any) -> str | None:
     problem = _keyword_problem(schema, root)
     if problem is not None:
         return problem
+    seen = set() if seen is None else seen
     children: list[Any] = list((schema.get("properties") or {}).values())
     children += [schema[k] for k in _SUBSCHEMA_KEYS if k in schema and not (k == "items" and
                                                                              isinstance(schema[k], list))]
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             children += schema[key]
-    for key in ("$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            children += schema[key].values()
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen:
+        seen.add(ref)
+        children.append(_resolve(root, ref) if ref.startswith("#") else True)
     for child in children:
-        problem = schema_problem(child, root)
+        problem = _structural_problem(child, root, seen)
         if problem is not None:
             return problem
+    return None
+
+
+def unsatisfiable(schema: Any, root: Any, depth: int = 0) -> str | None:
+    """Why no value meets `schema` (llguidance's words, without the "Unsatisfiable schema: " prefix), or None."""
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        return None
+    schema = _merged(schema, root)
+    reason = _bound_problem(schema)
+    if reason is not None:
+        return reason
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    for name in schema.get("required") or []:
+        if name in props and unsatisfiable(props[name], root, depth + 1) is not None:
+            return f"required property '{name}' is unsatisfiable"
+    items = schema.get("items")
+    if isinstance(schema.get("minItems"), int) and schema["minItems"] > 0 and isinstance(items, dict) \
+            and unsatisfiable(items, root, depth + 1) is not None:
+        return "required item is unsatisfiable"
     return None
 
 
@@ -301,7 +354,8 @@ def _value(schema: Any, root: Any, rng: random.Random, depth: int) -> Any:
         return rng.choice(schema["enum"])
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list) and branches:
-        kept = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
+        kept = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")
+                and unsatisfiable(b, root) is None]
         branch = kept[0] if kept and depth < _MAX_DEPTH else branches[0]
         rest = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
         return _value({**rest, **branch} if isinstance(branch, dict) else branch, root, rng, depth)
@@ -322,7 +376,7 @@ def _value(schema: Any, root: Any, rng: random.Random, depth: int) -> Any:
 def _object(schema: dict[str, Any], root: Any, rng: random.Random, depth: int) -> dict[str, Any]:
     props = schema.get("properties") or {}
     required = [r for r in schema.get("required") or [] if isinstance(r, str)]
-    names = list(props) if depth < _MAX_DEPTH else [p for p in props if p in required]
+    names = [p for p in props if p in required or (depth < _MAX_DEPTH and unsatisfiable(props[p], root) is None)]
     names += [r for r in required if r not in names]
     value = {name: _value(props.get(name, {}), root, rng, depth + 1) for name in names}
     extra = schema.get("additionalProperties", True)
@@ -337,8 +391,10 @@ def _array(schema: dict[str, Any], root: Any, rng: random.Random, depth: int) ->
     prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
     low = max(int(schema.get("minItems", 0)), len(prefix))
     high = max(low, int(schema.get("maxItems", len(prefix) if schema.get("items") is False else max(low, 3))))
-    count = low if depth >= _MAX_DEPTH else rng.randint(min(max(low, 1), high), high)
     items = schema.get("items", {}) if isinstance(schema.get("items", {}), dict) else {}
+    if depth >= _MAX_DEPTH or unsatisfiable(items, root) is not None:
+        high = low  # no more items than required: llguidance leaves out what it cannot satisfy
+    count = rng.randint(min(max(low, 1), high), high)
     values: list[Any] = []
     for i in range(count):
         item = prefix[i] if i < len(prefix) else items

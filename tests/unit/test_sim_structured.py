@@ -43,7 +43,7 @@ SCHEMAS: list[dict[str, Any]] = [
     {"type": ["integer", "null"], "minimum": 5, "maximum": 5},
     {"type": "array", "items": {"type": "boolean"}, "minItems": 4, "maxItems": 6},
     {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 50}, "minItems": 3, "uniqueItems": True},
+    {"type": "object", "properties": {"never": {"type": "integer", "minimum": 3, "maximum": 1}, "n": {"type": "null"}}},
     {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
                                       "id": {"type": "string", "format": "uuid"},
                                       "mail": {"type": "string", "format": "email"},
@@ -57,6 +57,8 @@ SCHEMAS: list[dict[str, Any]] = [
     {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
     {"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer"}}, "required": ["v"]},
     {"type": "number", "maximum": -3.5},
+    {"type": "array", "items": {"type": "string", "minLength": 5, "maxLength": 2}},
+    {"anyOf": [{"type": "integer", "minimum": 3, "maximum": 1}, {"type": "string"}]},
     PYDANTIC_NESTED,
 ]
 
@@ -134,6 +136,13 @@ def test_reasoning_comes_first_and_no_tool_is_called() -> None:
     ({"type": "object", "additionalProperties": "x"}, "schema must be an object or boolean"),
     ({"type": "string", "format": "binary"}, "Unknown format: binary"),
     ({"$defs": {"A": {"type": "nonsense"}}, "$ref": "#/$defs/A"}, "Invalid type: nonsense"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+    ({"type": "integer", "multipleOf": 0}, "invalid multiple of"),
+    ({"type": "string", "pattern": "("}, "regex parse error:\n    (\n    ^\nerror: unclosed group"),
+    ({"type": "array", "items": {"type": "integer", "minimum": 3, "maximum": 1}, "minItems": 1},
+     "Unsatisfiable schema: required item is unsatisfiable"),
+    ({"type": "object", "properties": {"a": {"type": "object", "minProperties": 3, "maxProperties": 1}},
+      "required": ["a"]}, "Unsatisfiable schema: required property 'a' is unsatisfiable"),
 ])
 def test_schemas_vllm_refuses(schema: dict[str, Any], problem: str) -> None:
     assert schema_problem(schema, schema) == problem
@@ -147,6 +156,11 @@ def test_schemas_vllm_refuses(schema: dict[str, Any], problem: str) -> None:
     {"type": "object", "foo": 1},
     {"anyOf": []},
     {"type": "string", "format": "json-pointer"},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}},  # optional: left out
+    {"type": "array", "items": {"type": "string", "minLength": 5, "maxLength": 2}},  # no items then
+    {"anyOf": [{"type": "integer", "minimum": 3, "maximum": 1}, {"type": "string"}]},
+    {"not": {"type": "nonsense"}},  # xgrammar ignores `not`
+    {"$defs": {"A": {"type": "nonsense"}}, "type": "string"},  # a definition nothing refers to is not compiled
 ])
 def test_schemas_vllm_accepts(schema: dict[str, Any]) -> None:
     assert schema_problem(schema, schema) is None
