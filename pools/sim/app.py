@@ -634,11 +634,14 @@ class SimApp:
             prompt.greedy()
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_tokens)
+        constraint = structured.from_messages((req.model_extra or {}).get("output_config"))
         self._check_output_budget(max_tokens)
+        structured.validate(constraint)
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, None, "chatcmpl-"),  # vLLM answers as a chat
             model=model, prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream),
-            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice},
+            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice,
+                         "structured": constraint},
             cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0)
         return self._respond(gen, MessagesShape)
 

@@ -1,9 +1,10 @@
 """Structured output as vLLM 0.32 constrains it: which request fields ask for it, the 400s it answers, and the text.
 
-vLLM turns `response_format` (chat, completions), `text.format` (Responses) and `structured_outputs` into one
-`StructuredOutputsParams` (`entrypoints/generate/base/protocol.py:structured_outputs_from_response_format`), checks
-it where it builds the sampling parameters (`SamplingParams._validate_structured_outputs`, the "auto" backend:
-xgrammar, then llguidance) and constrains the tokens after the reasoning ends. The simulator answers the same
+vLLM turns `response_format` (chat, completions), `text.format` (Responses), `output_config.format` (Messages)
+and `structured_outputs` into one `StructuredOutputsParams` (`entrypoints/generate/base/protocol.py:
+structured_outputs_from_response_format`), checks it where it builds the sampling parameters
+(`SamplingParams._validate_structured_outputs`, the "auto" backend: xgrammar, then llguidance) and constrains the
+tokens after the reasoning ends. The simulator answers the same
 requests with the same 400s, and writes the constrained text itself: a JSON object for `json_object`, a value that
 validates against the schema for `json`, one of the `choice` strings. `regex`, `grammar` and `structural_tag` are
 accepted and answered with unconstrained text. The old `guided_*` fields are ignored, as vLLM 0.32 ignores them.
@@ -94,6 +95,14 @@ def from_responses(structured_outputs: Any, text: Any) -> Constraint | None:
     if fmt.type == "json_schema" and fmt.schema_ is not None:
         return Constraint("json", fmt.schema_)
     return None
+
+
+def from_messages(output_config: Any) -> Constraint | None:
+    """The Anthropic Messages API's `output_config.format` (`{"type": "json_schema", "schema": …}`), which vLLM
+    turns into a json_schema response_format."""
+    fmt = output_config.get("format") if isinstance(output_config, dict) else None
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    return Constraint("json", schema) if isinstance(schema, dict) and schema else None
 
 
 def _nested_deeper(spec: Any, limit: int) -> bool:

@@ -132,6 +132,18 @@ async def test_responses_honour_text_format(client: httpx.AsyncClient) -> None:
     _check_value(text, finish, answer["usage"]["output_tokens"], 400, PERSON)
 
 
+async def test_messages_honour_output_config_format(client: httpx.AsyncClient) -> None:
+    body = {"model": SERVED_MODEL, "max_tokens": 400, "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": unique_words(8)}],
+            "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
+    response = await client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    text = "".join(block["text"] for block in answer["content"] if block["type"] == "text")
+    finish = "stop" if answer["stop_reason"] == "end_turn" else "length"
+    _check_value(text, finish, answer["usage"]["output_tokens"], 400, PERSON)
+
+
 async def test_guided_json_is_ignored_as_vllm_0_32_ignores_it(client: httpx.AsyncClient) -> None:
     """The removed `guided_*` fields are extra fields: vLLM logs a warning and answers unconstrained, not a 400."""
     response = await client.post("/v1/chat/completions", json=_chat(guided_json=PERSON, max_tokens=8))
