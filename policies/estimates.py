@@ -106,21 +106,19 @@ class TokenEstimateRatios:
             return 1.0
         return entry.value
 
-    def observe(self, pool: str, estimated: int, actual: int, now: float) -> bool:
+    def observe(self, pool: str, estimated: int, actual: int, now: float, at_least: bool = False) -> bool:
         """One answer at time `now` (seconds): the replica counted `actual` prompt tokens for a prompt the gateway
-        estimated at `estimated` (before any learned correction). True: log the pool's ratio now."""
+        estimated at `estimated` (before any learned correction); `at_least`: `actual` is a lower bound (vLLM's
+        over-length 400 counts a truncated prompt), so it can only raise the ratio. True: log the pool's ratio now."""
         if estimated <= 0 or actual <= 0:
             return False
         entry = self._ratios.get(pool)
         if entry is None:
             entry = self._ratios[pool] = _Ratio(deque(maxlen=self.window))
-        sample = math.log(min(self.high, max(self.low, actual / estimated)))
-        if len(entry.logs) == entry.logs.maxlen:
-            entry.sorted_logs.remove(entry.logs[0])
-        entry.logs.append(sample)
-        insort(entry.sorted_logs, sample)
-        entry.value = math.exp(winsorized_mean(entry.sorted_logs, self.trim))
-        entry.samples += 1
+        ratio = min(self.high, max(self.low, actual / estimated))
+        if at_least and entry.logs:
+            ratio = max(ratio, entry.value)
+        _record(entry, math.log(ratio), self.trim)
         if entry.samples < self.min_samples or abs(self.ratio(pool) - entry.reported) <= \
                 self.report_change * entry.reported:
             return False
@@ -138,3 +136,13 @@ class TokenEstimateRatios:
         for name in [p for p in self._ratios if p not in pools]:
             del self._ratios[name]
 
+
+
+def _record(entry: _Ratio, sample: float, trim: float) -> None:
+    """Add one log ratio to the pool's window (the oldest leaves a full one) and recompute the robust value."""
+    if len(entry.logs) == entry.logs.maxlen:
+        entry.sorted_logs.remove(entry.logs[0])
+    entry.logs.append(sample)
+    insort(entry.sorted_logs, sample)
+    entry.value = math.exp(winsorized_mean(entry.sorted_logs, trim))
+    entry.samples += 1

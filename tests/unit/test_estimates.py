@@ -106,6 +106,21 @@ def test_alternating_unusual_prompts_settle_instead_of_swinging(order: str) -> N
     assert other.ratio("q") == 1.0  # per pool: "p"'s traffic does not move "q"
 
 
+def test_an_over_length_count_is_a_lower_bound_that_only_raises_the_ratio() -> None:
+    """vLLM's over-length 400 counts a truncated prompt ("at least 8193"): prompts estimated at 1100, 1500 and 2000
+    tokens that all bounced say the ratio is at least 7.4, not their median 5.5 (which would bounce the next
+    1200-token estimate again)."""
+    ratios = TokenEstimateRatios()
+    for estimated in (1100, 1500, 2000):
+        ratios.observe("small", estimated, 8193, now=0.0, at_least=True)
+    assert ratios.ratio("small") == pytest.approx(8193 / 1100)
+    ratios.observe("small", 1000, 2000, now=1.0)
+    assert ratios.ratio("small") == pytest.approx(8193 / 1100)  # one exact count far off: an outlier
+    for i in range(5):
+        ratios.observe("small", 1000, 2000, now=2.0 + i)
+    assert ratios.ratio("small") < 3.5  # most counts now say 2×: exact counts bring it down
+
+
 def test_a_change_is_logged_only_when_material_and_once_a_minute_per_pool() -> None:
     ratios = TokenEstimateRatios(window=8)
     logged: list[tuple[str, float, float]] = []
