@@ -19,6 +19,7 @@ import re
 import re._parser as sre_parse  # the regex parse tree a pattern's example string is written from
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from pools.sim.protocol import bad_request, vllm_validation_error
@@ -162,7 +163,10 @@ _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "ma
 
 
 def _number(value: Any) -> str:
-    return str(value)
+    """A bound as llguidance prints it (Rust's f64 Display: shortest digits, never an exponent)."""
+    if isinstance(value, int):
+        return str(value)
+    return format(Decimal(repr(value)).normalize(), "f")
 
 
 def _bound_problem(schema: dict[str, Any]) -> str | None:
