@@ -134,7 +134,7 @@ async def test_responses_honour_text_format(client: httpx.AsyncClient) -> None:
 
 async def test_messages_honour_output_config_format(client: httpx.AsyncClient) -> None:
     body = {"model": SERVED_MODEL, "max_tokens": 400, "thinking": {"type": "disabled"},
-            "messages": [{"role": "user", "content": unique_words(8)}],
+            "chat_template_kwargs": NO_THINKING, "messages": [{"role": "user", "content": unique_words(8)}],
             "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
     response = await client.post("/v1/messages", json=body)
     assert response.status_code == 200, response.text
