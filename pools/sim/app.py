@@ -587,6 +587,7 @@ class SimApp:
 
     async def responses(self, request: Request) -> Response:
         arrival, req, model = await self._validated(request, ResponsesRequest)
+        structured.check_params(req.structured_outputs)
         messages = _responses_to_messages(req)
         tools = [_responses_tool(t) for t in req.tools or [] if t.get("type", "function") == "function"] or None
         extra = req.model_extra or {}
