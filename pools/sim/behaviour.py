@@ -71,8 +71,7 @@ class OutputPlan:
 
     @property
     def content_text_tokens(self) -> int:
-        """The tokens the whole constrained text takes (4 bytes each, as the built-in tokenizer counts)."""
-        return max(1, -(-len((self.content_text or "").encode()) // 4))
+        return text_tokens(self.content_text or "")
 
     @property
     def total_tokens(self) -> int:
@@ -248,6 +247,11 @@ def tools_in_prompt(text: str) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def text_tokens(text: str) -> int:
+    """The tokens a constrained text takes (4 bytes each, as the built-in tokenizer counts; at least one)."""
+    return max(1, -(-len(text.encode()) // 4))
+
+
 def _structured_plan(constraint: Constraint, rng: random.Random, max_tokens: int, thinking: bool, offset: int,
                      flags: int, opens: bool) -> OutputPlan:
     """An answer under structured output: reasoning (unconstrained, as vLLM applies the grammar once reasoning
@@ -255,11 +259,9 @@ def _structured_plan(constraint: Constraint, rng: random.Random, max_tokens: int
     No tool call: the grammar admits no tool-call markup."""
     text = write(constraint, rng)
     reasoning = min(rng.randint(8, 64), max_tokens) if thinking else 0
-    plan = OutputPlan(reasoning, 0, None, "stop", offset, flags, opens, text)
-    budget = max_tokens - reasoning
-    content = min(plan.content_text_tokens, budget)
-    finish = "stop" if plan.content_text_tokens < budget else "length"
-    return OutputPlan(reasoning, content, None, finish, offset, flags, opens, text)
+    needed, budget = text_tokens(text), max_tokens - reasoning
+    finish = "stop" if needed < budget else "length"
+    return OutputPlan(reasoning, min(needed, budget), None, finish, offset, flags, opens, text)
 
 
 def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thinking_mode: str | None = None,
