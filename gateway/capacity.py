@@ -74,6 +74,9 @@ DEFAULT_OUTPUT_TOKENS = 256.0  # a class whose answers have not been seen yet (a
 SATURATION_TICKS = 3  # ticks of full slots and queued requests before the pool is measured as saturated
 SLOT_CONFIRMATIONS = 3  # scrapes running the same count while others wait before it is taken as the slot limit
 SLOT_KV_ROOM = 0.9  # KV usage below which waiting requests wait for a slot rather than for KV
+# unprefilled tokens sent to a replica up to which its waiting requests wait for a slot rather than for the step's
+# token budget (a long prompt's chunked prefill holds the budget; vLLM's smallest default budget is 2,048 tokens)
+SLOT_PREFILL_ROOM = 2048
 MIN_LATENCY_SAMPLES = 10  # requests of a class in the last half window before its measured p95 is checked
 _FINISHED, _ANSWERED, _PROMPT, _CACHED, _OUTPUT, _ESTIMATED, _OUTPUT_SQ = range(7)
 _N_SUMS = 7  # the first N_SUMS travel in a share's sums, the output tokens' squares on their own (demand_share.py)
@@ -432,8 +435,8 @@ class CapacitySignal:
 
     def _mark_replicas(self, now: float, keep_s: float) -> None:
         """Per replica: its prefilled-token counter (for `_decode_share`), and its batch-slot limit, which vLLM
-        does not export: the most requests it ran while others waited and its KV had room, seen in
-        SLOT_CONFIRMATIONS scrapes (a count it runs beyond is a new lower bound)."""
+        does not export: the most requests it ran while others waited and neither its KV nor its token budget was
+        short, seen in SLOT_CONFIRMATIONS scrapes (a count it runs beyond is a new lower bound)."""
         live = set()
         for pool in self._gw.pools.values():
             for replica in pool.replicas.values():
@@ -449,7 +452,8 @@ class CapacitySignal:
                 if seen is None or load.running > seen[0]:
                     seen = self._slots[replica.url] = [load.running, 0, at]
                 seen[2] = at
-                if load.waiting > 0 and load.running == seen[0] and load.kv_usage < SLOT_KV_ROOM:
+                if (load.waiting > 0 and load.running == seen[0] and load.kv_usage < SLOT_KV_ROOM
+                        and replica.prefill_tokens <= SLOT_PREFILL_ROOM):
                     seen[1] += 1
         for table in (self._prefilled, self._slots):
             for url in [u for u in table if u not in live]:

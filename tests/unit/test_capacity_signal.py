@@ -299,3 +299,23 @@ def test_a_non_streamed_answer_counts_its_queue_time_and_teaches_the_decode_step
     # than one replica decodes (the model knew nothing of them before)
     assert gw.capacity.decode_costs["chat"].seconds(1, 80) == pytest.approx(0.04, rel=0.2)
     assert entry["desired"] >= 2 and entry["predicted"]["current"]["meets_targets"] is False
+
+
+def test_the_slot_limit_is_not_learnt_from_requests_waiting_for_kv_or_a_long_prefill() -> None:
+    app = build_app(GatewayConfig.model_validate(ONE_REPLICA))
+    gw = app.state.gateway
+    replica = gw.pools["chat"].replicas["http://127.0.0.1:9"]
+    t0 = gw.clock()
+    for s, (kv, unprefilled) in enumerate([(0.95, 0)] * 4 + [(0.2, 100_000)] * 4):
+        replica.scraped, replica.scraped_at = ScrapedLoad(waiting=3.0, running=2.0, kv_usage=kv), t0 + s
+        replica.prefill_tokens = unprefilled
+        gw.capacity.tick(t0 + s + 1)
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] is None
+    replica.prefill_tokens = 0
+    for s in range(8, 11):  # then it runs 2 while others wait, with room: its limit
+        replica.scraped, replica.scraped_at = ScrapedLoad(waiting=3.0, running=2.0, kv_usage=0.2), t0 + s
+        gw.capacity.tick(t0 + s + 1)
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] == 2
+    replica.scraped, replica.scraped_at = ScrapedLoad(waiting=0.0, running=5.0, kv_usage=0.2), t0 + 11
+    gw.capacity.tick(t0 + 12)  # it runs more: the limit was a lower bound, unknown again until seen full
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] is None
