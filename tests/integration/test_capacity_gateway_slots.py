@@ -133,7 +133,8 @@ def test_a_non_streaming_overload_of_a_four_slot_replica_raises_the_signal(gatew
         load.end(wait=False)
     assert desired is not None and desired >= 2.0, (rise_s, entry)
     assert entry["desired"] >= 2 and entry["predicted"]["current"]["meets_targets"] is False, entry
-    # what the gateway measured says so: the slots full and the queue growing, or the slot limit it learnt
-    assert entry["saturated"] or entry["bottleneck"] == "batch_slots", entry
+    # what the gateway measured says so: the slot limit it learnt (vLLM does not export it), or the slots full and
+    # the queue growing
+    assert entry["costs"]["max_num_seqs"] == 4 or entry["saturated"], entry
     print(f"rose to {desired:g} after {rise_s:.1f} s: bottleneck {entry['bottleneck']}, "
           f"slots {entry['costs']['max_num_seqs']}, saturated {entry['saturated']}")
