@@ -39,11 +39,19 @@ install_one() {
   stamp_ok && return 0
   echo "install-clients: setting up $name in $venv (log in $log)" >&2
   : >"$log"
-  rm -rf "$venv"
-  "$PY_FOR_VENV" -m venv "$venv" >>"$log" 2>&1 || fail "could not create the virtualenv"
+  # A bumped pin installs over the existing venv (pip moves the pinned packages; the rest is reused).
+  if [[ ! -x "$venv/bin/python" ]]; then
+    "$PY_FOR_VENV" -m venv "$venv" >>"$log" 2>&1 || fail "could not create the virtualenv"
+  fi
   "$venv/bin/python" -m pip install -q --upgrade pip >>"$log" 2>&1 || fail "could not upgrade pip"
   "$venv/bin/python" -m pip install -q -r "$req" >>"$log" 2>&1 || fail "pip install -r $req failed"
   "$venv/bin/python" -m pip freeze >>"$log" 2>&1
+  # The module the check script needs (the file's "# import:" line) must import (LiteLLM: offline price map).
+  local module; module="$(sed -n 's/^# import: *//p' "$req")"
+  if [[ -n "$module" ]]; then
+    LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c "import $module" >>"$log" 2>&1 \
+      || fail "$module does not import"
+  fi
   echo "$want" >"$stamp"
   exec 9>&-
   echo "install-clients: $name ok" >&2

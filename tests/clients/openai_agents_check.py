@@ -24,8 +24,7 @@ def get_weather(city: str) -> str:
     return f"Sunny in {city}, 21 C."
 
 
-def _agent(args: Any, think: bool) -> Agent:
-    client = AsyncOpenAI(base_url=args.base_url, api_key="not-used", max_retries=0, timeout=60)
+def _agent(client: AsyncOpenAI, args: Any, think: bool) -> Agent:
     # tool_choice="required" forces the first turn to call the tool; the SDK resets it to auto afterwards
     # (reset_tool_choice), so the model answers in words once it has the tool's result.
     settings = ModelSettings(tool_choice="required", max_tokens=300, extra_body=thinking(think))
@@ -45,7 +44,11 @@ def _items(result: Any) -> dict[str, Any]:
 
 async def _loop(args: Any, think: bool, stream: bool) -> dict[str, Any]:
     CALLS.clear()
-    agent = _agent(args, think)
+    async with AsyncOpenAI(base_url=args.base_url, api_key="not-used", max_retries=0, timeout=60) as client:
+        return await _run(_agent(client, args, think), stream)
+
+
+async def _run(agent: Agent, stream: bool) -> dict[str, Any]:
     if not stream:
         return _items(await Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
