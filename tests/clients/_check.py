@@ -20,11 +20,6 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "d
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                                  "parameters": WEATHER_SCHEMA}}
 FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
-PERSON_SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["name", "age", "colour"],
-    "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 20},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "colour": {"type": "string", "enum": ["red", "blue"]}}}
 
 
 def thinking(on: bool) -> dict[str, Any]:
