@@ -154,6 +154,12 @@ async def wait_finished(gen: Generation) -> None:
         await wake.wait()
 
 
+def _before_abort(gen: Generation, sent: int, upto: int) -> int:
+    """How far a stream's token chunks go: a shutdown's abort chunk carries the last token itself (vLLM's abort
+    output is the step's delta), so it is left out of the token chunks."""
+    return upto - 1 if gen.server_aborted and upto > sent else upto
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -300,6 +306,7 @@ class ChatShape:
                     yield chunk
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total = choice.plan.total_tokens
+                upto = _before_abort(gen, sent[choice.index], upto)
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
                     delta = ChatShape.delta(gen, i, choice)
@@ -326,9 +333,12 @@ class ChatShape:
                     yield chunk
             for choice in gen.choices:
                 if choice.sim.num_output:  # vLLM skips an empty output, so an answer with no token has no end
+                    last = range(sent[choice.index], choice.sim.num_output)  # the abort carries the last delta
+                    delta = {} if not last else ChatShape.delta(gen, last[0], choice) or {}
                     yield _sse({**head, "choices": [{
-                        "index": choice.index, "delta": {}, "logprobs": None, "finish_reason": "abort",
-                        "stop_reason": None, "token_ids": [] if with_ids else None}]})
+                        "index": choice.index, "delta": delta, "logprobs": None, "finish_reason": "abort",
+                        "stop_reason": None,
+                        "token_ids": [choice.plan.token_id(i) for i in last] if with_ids else None}]})
         elif gen.failed:  # the engine's first output is the error: role chunks, then the error event
             if not started:
                 for chunk in ChatShape._role_chunks(gen, head):
@@ -402,6 +412,7 @@ class CompletionShape:
                 return
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total, off = choice.sim.output_tokens, choice.offset
+                upto = _before_abort(gen, sent[choice.index], upto)
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
                     text = choice.plan.raw_piece(off + i)
@@ -430,10 +441,13 @@ class CompletionShape:
         if gen.server_aborted:
             for choice in gen.choices:
                 if choice.sim.num_output:
+                    last = range(sent[choice.index], choice.sim.num_output)  # the abort carries the last delta
                     yield _sse({**head, "choices": [{
-                        "index": choice.index, "text": "", "logprobs": None, "finish_reason": "abort",
-                        "stop_reason": None, "prompt_token_ids": None,
-                        "token_ids": [] if gen.return_token_ids else None}]})
+                        "index": choice.index, "text": "".join(choice.plan.raw_piece(choice.offset + i) for i in last),
+                        "logprobs": None, "finish_reason": "abort", "stop_reason": None,
+                        "prompt_token_ids": gen.prompt_ids if gen.return_token_ids and not sent[choice.index] else None,
+                        "token_ids": [choice.plan.token_id(choice.offset + i) for i in last]
+                        if gen.return_token_ids else None}]})
         elif gen.failed:
             yield STREAM_ERROR
             yield DONE
