@@ -75,7 +75,8 @@ class Coordinator:
         self.learning = Learning(gateway)  # what answers teach the estimates (gateway/learning.py)
         self.upstream = Upstream(gateway, self.learning, self.finished)  # one upstream call (gateway/upstream.py)
         self.disagg = Disaggregation(gateway, self.upstream)  # the P/D path of disaggregated pools
-        self.stalls = StallWatch(gateway.clock)  # resumable streams gone silent (gateway/migration.py)
+        # resumable streams gone silent (gateway/migration.py)
+        self.stalls = StallWatch(gateway.clock, gateway.config.server.health_interval_s)
 
     async def serve(self, request: Request, api: str) -> Any:
         """Every outcome is a response: the answer, or an error in OpenAI's shape."""
@@ -378,6 +379,8 @@ class Coordinator:
         cfg = self.gw.config.routing.migration
         return Resumer(self.gw, record, body, api, payload, include_usage=not strip_usage,
                        choose=lambda failed: self.resume_targets(choice, routing, failed),
+                       send_leg=lambda target, path, payload, tokens: self.upstream.resume(
+                           record, target, routing, path, payload, tokens),
                        stall_timeout_s=cfg.stall_timeout_s, max_migrations=cfg.max_migrations, watch=self.stalls,
                        refused=refused)
 
@@ -413,7 +416,9 @@ class Coordinator:
         gw = self.gw
         gw.traffic.finished(record)
         self.disagg.finished(record)
-        self.learning.finished(record, self._judge_stream(record))
+        replica = self._judge_stream(record)
+        # a resumed stream's timings span two replicas and a seam: its replica's latency is not learnt from them
+        self.learning.finished(record, None if record.t_cut else replica)
         if record.session is not None and gw.sessions is not None:
             ids = record.trace
             gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)

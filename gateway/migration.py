@@ -20,7 +20,7 @@ import asyncio
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,9 @@ from starlette.types import Send
 from gateway.record import RequestRecord
 from gateway.relay import Held, SseFilter, stream_error_event
 from gateway.runtime import Gateway
-from policies.m3_stream import M3StreamParser, ParserState, initial_state
-from policies.migration import Mark, chat_cut, chat_finish_reason, nothing_left, resume_body
-from policies.vllm_wire import tokenize_body
+from policies.m3_stream import M3StreamParser, ParserState
+from policies.migration import Mark, chat_cut, chat_finish_reason, nothing_left, resume_payload
+from policies.vllm_wire import connection_refused, refuses_new_requests, tokenize_body, tokenize_ids
 from pools.replicas import PoolRuntime, Replica
 from pools.tasks import cancel_and_wait
 
@@ -49,7 +49,8 @@ class IdFilter(SseFilter):
     `recent`: (ids before, ids after, event) of the last chunks the client saw in full (chat); `failure`: why the
     replica's stream cannot go on though it may still send bytes ("abort", "error")."""
 
-    __slots__ = ("ids", "chat", "recent", "head", "failure", "finished", "_prompt_seen", "_recent_events")
+    __slots__ = ("ids", "chat", "recent", "head", "finished", "prompt_tokens", "evicted", "_prompt_seen",
+                 "_recent_events")
 
     def __init__(self, strip_usage: bool, chat: bool) -> None:
         super().__init__(strip_usage)
@@ -61,6 +62,8 @@ class IdFilter(SseFilter):
         self.head = b""  # the first event (its id, created, model are the stream's)
         self.failure: str | None = None
         self.finished = False  # the answer's finish_reason came
+        self.prompt_tokens = 0  # the prompt's ids, counted as they are stripped
+        self.evicted = False  # `recent` lost its oldest chunks: it no longer begins with the answer
         self._prompt_seen = False
 
     def feed(self, chunk: bytes) -> bytes:
@@ -154,6 +157,7 @@ class IdFilter(SseFilter):
         self._recent_events += len(raw)
         while self._recent_events - len(recent[0][1]) >= RECENT_CHUNKS:
             self._recent_events -= len(recent.popleft()[1])
+            self.evicted = True
 
     def recent_events(self) -> list[tuple[int, int, bytes]]:
         """(ids before, ids after, event) of the last RECENT_CHUNKS chunks the client saw in full (at a cut only)."""
@@ -184,7 +188,7 @@ class IdFilter(SseFilter):
         if b'"finish_reason":null' not in event:
             if b'"finish_reason":"abort"' in event:  # the replica stopped it (shutdown): not the client's answer
                 self.failure = "abort"
-                return b""
+                return self._last_delta(before, raw, event)
             self.finished = True
         elif self.chat:
             if b'"delta":{}' in event:  # held back by the parser: sent only because ids were asked for
@@ -193,6 +197,16 @@ class IdFilter(SseFilter):
             self._remember(before, [raw], event)
             return event
         return event + b"\n\n"
+
+    def _last_delta(self, before: int, raw: bytes, event: bytes) -> bytes:
+        """vLLM's abort chunk carries the step's last delta (text and ids): the client gets it as a plain chunk and
+        the cut counts it; an empty one is dropped."""
+        if (b'"delta":{}' in event) if self.chat else (b'"text":""' in event):
+            return b""
+        event = event.replace(b'"finish_reason":"abort"', b'"finish_reason":null', 1) + b"\n\n"
+        if self.chat:
+            self._remember(before, [raw], event)
+        return event
 
     def _other(self, event: bytes) -> bytes:
         """An event without ids: [DONE], chat's role chunk (the prompt's ids), the usage chunk, an error."""
@@ -216,6 +230,7 @@ class IdFilter(SseFilter):
             return event
         self._prompt_seen = True
         j = event.find(b"]", i + 20)
+        self.prompt_tokens = event.count(b",", i + 20, j) + 1 if j > i + 20 else 0
         return event[: i + 19] + b"null" + event[j + 1:]
 
     def marks(self) -> list[Mark]:
@@ -240,20 +255,24 @@ def _json(event: bytes) -> dict[str, Any] | None:
 
 class StallWatch:
     """One ticker over every live resumable stream: closes a stream that has been silent longer than its stall
-    timeout, or for EJECTED_SILENCE_S while its replica is ejected or unhealthy. A draining vLLM past its
-    --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed. The ticker runs
-    from `start` to `stop` (the app's lifespan): a task and a timer per stream cost more than a tick every 0.25 s.
-    Used without them (an app without its lifespan), it runs while any stream is live."""
+    timeout, or for EJECTED_SILENCE_S while its replica is ejected or has failed more than one health probe in a
+    row (one failed probe — a busy replica's slow /health — is no sign of a dead one). A draining vLLM past its
+    --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed. Time the relay
+    spends waiting on a slow client (`SseFilter.waiting`) is no silence: the replica is not read then. The ticker
+    runs from `start` to `stop` (the app's lifespan): a task and a timer per stream cost more than a tick every
+    0.25 s. Used without them (an app without its lifespan), it runs while any stream is live."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, probe_interval_s: float = 0.0) -> None:
         self.clock = clock
+        self.probe_interval_s = probe_interval_s
         self._live: dict[int, list[Any]] = {}
         self._task: asyncio.Task[None] | None = None
         self._started = False
 
-    def add(self, filt: IdFilter, held: Held, replica: Replica, timeout: float) -> int:
+    def add(self, filt: SseFilter, held: Held, replica: Replica, timeout: float) -> int:
         key = id(held)
-        self._live[key] = [filt, held, replica, timeout, filt.events, self.clock()]
+        # filter, held, replica, timeout, events seen, since when, since when its replica looks down (0: it does not)
+        self._live[key] = [filt, held, replica, timeout, filt.events, self.clock(), 0.0]
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._tick())
         return key
@@ -281,17 +300,21 @@ class StallWatch:
                     if entry[1].response is None:  # the stream ended (its Held was released)
                         del self._live[key]
                     else:
-                        self._check(entry, now)
+                        self.check(entry, now)
         finally:
             self._task = None
 
-    def _check(self, entry: list[Any], now: float) -> None:
-        filt, held, replica, timeout, seen, since = entry
-        if filt.events != seen:
+    def check(self, entry: list[Any], now: float) -> None:
+        """One stream at one tick: progress (or a wait on the client) restarts its clock; else it may be cut."""
+        filt, held, replica, timeout, seen, since, _ = entry
+        if filt.events != seen or filt.waiting:
             entry[4], entry[5] = filt.events, now
             return
+        down = now < replica.ejected_until or not replica.healthy
+        entry[6] = (entry[6] or now) if down else 0.0
         silent = now - since
-        if silent > timeout or (silent > EJECTED_SILENCE_S and (not replica.healthy or now < replica.ejected_until)):
+        dead = now < replica.ejected_until or (down and now - entry[6] > self.probe_interval_s)
+        if silent > timeout or (silent > EJECTED_SILENCE_S and dead):
             filt.failure = filt.failure or "stall"
             if held.response is not None:
                 held.response.close()  # the relay's read ends: a failure it migrates
@@ -299,17 +322,58 @@ class StallWatch:
 
 @dataclass(slots=True)
 class Leg:
-    """One continuation on one replica: its open stream and what it holds."""
+    """One continuation on one replica: its open stream, its first bytes, and how its events are read."""
 
-    pool: PoolRuntime
     replica: Replica
     held: Held
+    data: bytes
     kind: str  # "completions": token-id continuation; "chat": the original request again (nothing committed)
+
+
+class _Again:
+    """A chat continuation that sends the original request again (no id committed): it replays, greedy, what the
+    client saw; that part is suppressed, and its chunks are kept for the next cut as the first leg's are."""
+
+    __slots__ = ("suppress_reasoning", "suppress_content", "announced", "ids", "marks", "evicted")
+
+    def __init__(self, state: ParserState) -> None:
+        self.suppress_reasoning, self.suppress_content = state.suppress_reasoning, state.suppress_content
+        self.announced = state.announced
+        self.ids = array("I")
+        self.marks: deque[Mark] = deque(maxlen=RECENT_CHUNKS)
+        self.evicted = False
+
+    @property
+    def replayed(self) -> bool:
+        """Everything the client saw has come again: from here on this leg's chunks are the client's record."""
+        return not (self.suppress_reasoning or self.suppress_content or self.announced)
+
+    def shown(self, delta: dict[str, Any], before: int) -> dict[str, Any]:
+        """Keeps the chunk for a cut; returns its delta less what the client already saw."""
+        if len(self.marks) == RECENT_CHUNKS:
+            self.evicted = True
+        self.marks.append(Mark(before, len(self.ids), dict(delta)))
+        for kind in ("reasoning", "content"):
+            text, skip = delta.get(kind), getattr(self, "suppress_" + kind)
+            if isinstance(text, str) and skip:
+                delta[kind] = text[min(skip, len(text)):]
+                setattr(self, "suppress_" + kind, skip - min(skip, len(text)))
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            if function.get("name") and self.announced:
+                self.announced -= 1
+                call.pop("id", None), call.pop("type", None), function.pop("name", None)
+        return delta
 
 
 @dataclass
 class Resumer:
-    """What resuming one stream needs; `run` is called by its relay on a failure after the first byte."""
+    """What resuming one stream needs; `run` is called by its relay on a failure after the first byte.
+
+    What the client has seen is kept exact after every leg, whether it ended or failed: `generated[:done]` are the
+    ids whose effect the client has (the next continuation's context), `state` the M3 parser's state there (with
+    the text already shown that a regenerated part must not show again), `finish` set once the client has the
+    finish chunk."""
 
     gw: Gateway
     record: RequestRecord
@@ -318,17 +382,21 @@ class Resumer:
     payload: bytes  # the request as first sent (a chat stream with nothing committed is sent again as it was)
     include_usage: bool  # the client asked for the usage chunk
     choose: Callable[[set[str]], list[Any]]  # the coordinator's targets for this request, these replicas excluded
+    # sends one continuation through `Upstream.resume` (target, path, payload, tokens): (Held, first bytes) or a failure
+    send_leg: Callable[[Any, str, bytes, int], Awaitable[Any]]
     stall_timeout_s: float
     max_migrations: int
     watch: StallWatch
     generated: array = field(default_factory=lambda: array("I"))
-    done: int = 0  # generated ids the client has seen the effect of (the next cut's context)
+    done: int = 0
     state: ParserState = field(default_factory=ParserState)
     tools_called: bool = False
-    prompt_ids: list[int] | None = None
+    prompt_ids: bytes | None = None  # the prompt's ids as JSON text (from /tokenize, spliced, never parsed)
+    prompt_tokens: int = 0
     head: dict[str, Any] = field(default_factory=dict)  # the stream's id, created, model
     finish: str | None = None
-    _announced: int = 0  # tool calls the client has seen announced that a continuation announces again
+    first: Held | None = None  # the first leg's (released when it fails: its replica no longer works for us)
+    aborted: bool = False  # the current leg's replica ended it with finish_reason "abort"
     refused: str | None = None  # why this stream cannot be resumed (policies.migration.refusal), if it cannot
 
     def parts(self, held: Held, replica: Replica, strip_usage: bool) -> tuple[SseFilter | None, Any]:
@@ -337,6 +405,7 @@ class Resumer:
         if self.refused is not None:
             return None, self._refuse
         filt = IdFilter(strip_usage, chat=self.api == "chat")
+        self.first = held
         self.watch.add(filt, held, replica, self.stall_timeout_s)
         return filt, self.run
 
@@ -354,14 +423,20 @@ class Resumer:
     def start_from(self, filt: IdFilter) -> None:
         """The first leg's ids, head and cut: chat resumes at `chat_cut`, completions after every id relayed."""
         self.generated = filt.ids
+        self.prompt_tokens = filt.prompt_tokens
         head = _json(filt.head) or {}
         self.head = {k: head[k] for k in ("id", "created", "model") if k in head}
         if self.api == "chat":
-            cut = chat_cut(filt.marks(), self.thinking_mode, self.greedy)
-            self.done, self.state = cut.done, cut.state
-            self.tools_called = cut.state.tools_called or any(b'"tool_calls"' in e for _, _, e in filt.recent_events())
+            recent = filt.recent_events()
+            self._cut(filt.marks(), not filt.evicted)
+            self.tools_called = self.tools_called or any(b'"tool_calls"' in e for _, _, e in recent)
         else:
             self.done = len(filt.ids)
+
+    def _cut(self, marks: list[Mark], complete: bool) -> None:
+        cut = chat_cut(marks, self.thinking_mode, self.greedy, complete)
+        self.done, self.state = cut.done, cut.state
+        self.tools_called = self.tools_called or cut.state.tools_called
 
     @property
     def thinking_mode(self) -> Any:
@@ -375,17 +450,24 @@ class Resumer:
     # the migration loop -------------------------------------------------------------------------------------------
     async def run(self, send: Send, filt: IdFilter, failure: str) -> None:
         """The stream's replica failed after the first byte (`failure` says how): resume it elsewhere, up to
-        max_migrations times, or end it with the SSE error event. Writes the stream's end either way."""
+        max_migrations times, or end it with the SSE error event. Writes the stream's end either way. An answer
+        whose finish chunk the client has is complete: only what is missing of its end is written."""
         record = self.record
+        if self.first is not None:
+            self.first.close(abort=True)  # the failed replica's in-flight count ends with its leg
+        self.start_from(filt)
+        if filt.finished:
+            record.error = None
+            await self._write(send, self._ending(usage=None if self.include_usage and filt.usage is None
+                                                 else filt.usage or {}), end=True)
+            return
         record.t_cut = record.t_cut or self.gw.clock()
         failed = {record.replica}
-        self.start_from(filt)
         for _ in range(self.max_migrations):
             if nothing_left(self.body, self.api, self.done):  # died after its last token: the end is ours to write
-                self.finish = "length"
                 self.gw.telemetry.migration(record, "resumed", self.done, "")
                 del self.generated[self.done:]
-                await send({"type": "http.response.body", "body": self._ending(final=True), "more_body": False})
+                await self._write(send, self._final_chunk() + self._ending(), end=True)
                 return
             leg = await self._open(failed)
             if leg is None:
@@ -401,9 +483,9 @@ class Resumer:
             failed.add(leg.replica.url)
         self.gw.telemetry.migration(record, "failed", self.done, "")
         record.error = f"upstream failed mid-stream: {self.reason_text(failure)}; not resumed"
-        tail = stream_error_event(self.api, "the replica failed mid-stream and no other replica could resume it; "
-                                            "retry the request")
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self._write(send, stream_error_event(
+            self.api, "the replica failed mid-stream and no other replica could resume it; retry the request"),
+            end=True)
 
     def _blame(self, pool_name: str, url: str) -> None:
         """A replica that broke a stream counts it as a failure (three in a row eject it), resumed or not."""
@@ -413,135 +495,161 @@ class Resumer:
             replica.record_failure(self.gw.clock(), answered=True)
 
     async def _open(self, failed: set[str]) -> Leg | None:
-        """The continuation's stream, open on the first target that takes it; None when none does."""
-        gw = self.gw
+        """The continuation's stream, open on the first target that takes it (sent through `Upstream.resume`);
+        None when none does. A target whose /tokenize gives no ids cannot resume it."""
+        again = self.api == "chat" and self.done == 0  # nothing committed: the chat request again
         for target in self.choose(failed)[:3]:
-            pool, replica = target.pool, target.replica
-            kind = "chat" if self.api == "chat" and self.done == 0 else "completions"
-            held = Held(replica.guard(len(self.prompt_ids or ()) + self.done + 1))
-            try:
-                payload = self.payload if kind == "chat" else orjson.dumps(await self._resume_body(pool, replica))
-                headers = {"content-type": "application/json", **pool.probe_headers()}
-                path = self.record.path if kind == "chat" else "/v1/completions"
-                assert gw.session is not None
-                held.response = await gw.session.post(replica.url + path, data=payload, headers=headers)
-                if held.response.status == 200 and held.response.headers.get(
-                        "content-type", "").startswith("text/event-stream"):
-                    self._blame(self.record.pool, self.record.replica)  # the last one is judged when it ends
-                    self.record.pool, self.record.replica = pool.name, replica.url
-                    return Leg(pool, replica, held, kind)
-            except (aiohttp.ClientError, OSError, _NoPrompt):
-                pass
-            held.close(abort=True)
-            failed.add(replica.url)
-            replica.record_failure(gw.clock())
+            if again:
+                path, payload = self.record.path, self.payload
+            else:
+                prompt = await self._prompt_ids(target.pool, target.replica)
+                if prompt is None:
+                    failed.add(target.replica.url)
+                    continue
+                path = "/v1/completions"
+                payload = resume_payload(self.body, self.api, self.gw.config.model, prompt,
+                                         self.generated[: self.done].tolist())
+            opened = await self.send_leg(target, path, payload, self.prompt_tokens + self.done + 1)
+            if isinstance(opened, tuple):
+                self._blame(self.record.pool, self.record.replica)  # the last one is judged when it ends
+                self.record.pool, self.record.replica = target.pool.name, target.replica.url
+                return Leg(target.replica, opened[0], opened[1], "chat" if again else "completions")
+            failed.add(target.replica.url)
         return None
 
-    async def _resume_body(self, pool: PoolRuntime, replica: Replica) -> dict[str, Any]:
-        """The prompt's ids from the target itself (same tokenizer and template as the first replica), then the
-        continuation's body."""
+    async def _prompt_ids(self, pool: PoolRuntime, replica: Replica) -> bytes | None:
+        """The prompt's ids as JSON text: the client's own (completions), else from the target's /tokenize (same
+        tokenizer and template as the first replica), once per stream; None when the target cannot give them (any
+        failure: refused, an error, a malformed answer). A refused connection drains the replica."""
+        if self.prompt_ids is not None:
+            return self.prompt_ids
         prompt = self.body.get("prompt")
         if self.api == "completions" and isinstance(prompt, list):
-            self.prompt_ids = prompt
+            self.prompt_ids = orjson.dumps(prompt)[1:-1]
         else:
             query = tokenize_body(self.body, self.api, self.gw.config.model)
             assert self.gw.session is not None
-            async with self.gw.session.post(replica.url + "/tokenize", data=orjson.dumps(query), headers={
-                    "content-type": "application/json", **pool.probe_headers()},
-                    timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                tokens = orjson.loads(await resp.read()).get("tokens") if resp.status == 200 else None
-            if not isinstance(tokens, list):
-                raise _NoPrompt
-            self.prompt_ids = tokens
-        context = [*self.prompt_ids, *self.generated[: self.done]]
-        return resume_body(self.body, self.api, self.gw.config.model, context, self.done)
+            try:
+                async with self.gw.session.post(replica.url + "/tokenize", data=orjson.dumps(query), headers={
+                        "content-type": "application/json", **pool.probe_headers()},
+                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    answer = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, OSError) as exc:
+                if connection_refused(exc):
+                    replica.start_draining("connection refused")
+                return None
+            if refuses_new_requests(status, answer):
+                replica.start_draining("refused a request (shutting down)")
+            self.prompt_ids = tokenize_ids(answer) if status == 200 else None
+        if self.prompt_ids is not None:
+            self.prompt_tokens = self.prompt_tokens or self.prompt_ids.count(b",") + 1
+        return self.prompt_ids
 
     # relaying a continuation ---------------------------------------------------------------------------------------
     async def _relay(self, leg: Leg, send: Send) -> bool:
         """Relays one continuation as the client's stream; True when the answer ended, False when this leg failed
-        too (the cut is kept up to date as it goes)."""
+        too (what the client has seen is kept exact as it goes)."""
         del self.generated[self.done:]  # ids the client never saw the effect of are generated again
-        parser = M3StreamParser(self.state, self.body.get("tools")) if self.api == "chat" else None
-        self._announced = self.state.announced
-        filt = IdFilter(False, False)  # only for the stall watch's progress count
-        key = self.watch.add(filt, leg.held, leg.replica, self.stall_timeout_s)
-        scanner = self.record.session.scanner if self.record.session is not None else None
-        buf = b""
+        if leg.kind == "chat":
+            again = _Again(self.state)
+            handle: Callable[[dict[str, Any]], bytes] = lambda obj: self._chat_again(obj, again)
+        elif self.api == "chat":
+            parser = M3StreamParser(self.state, self.body.get("tools"))
+            handle = lambda obj: self._chat_event(obj, parser)
+        else:
+            handle = self._completions_event
+        progress = SseFilter(False)  # the stall watch's view of this leg
+        key = self.watch.add(progress, leg.held, leg.replica, self.stall_timeout_s)
+        self.aborted = False
         try:
-            assert leg.held.response is not None
-            async for chunk in leg.held.response.content.iter_any():
-                buf += chunk
-                cut = buf.rfind(b"\n\n")
-                if cut < 0:
-                    continue
-                events, buf = buf[:cut].split(b"\n\n"), buf[cut + 2:]
-                filt.events += len(events)
-                out = []
-                for event in events:
-                    obj = _json(event)
-                    if obj is None:
-                        continue
-                    piece = self._completions_event(obj) if parser is None else \
-                        self._chat_event(obj, parser) if leg.kind == "completions" else self._chat_again(obj)
-                    if piece is None:
-                        return False
-                    out.append(piece)
-                    if self.finish is not None:
-                        out.append(self._ending())
-                        return await self._send(send, b"".join(out), scanner, end=True)
-                if out:
-                    await self._send(send, b"".join(out), scanner)
+            return await self._pump(leg, send, handle, progress)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
         finally:
             self.watch.remove(key)
-        return False
+            if leg.kind == "chat" and self.finish is None and again.replayed:  # its chunks are the record now
+                self.generated = again.ids
+                self._cut(list(again.marks), not again.evicted)
 
-    async def _send(self, send: Send, body: bytes, scanner: Any, end: bool = False) -> bool:
+    async def _pump(self, leg: Leg, send: Send, handle: Callable[[dict[str, Any]], bytes],
+                    progress: SseFilter) -> bool:
+        assert leg.held.response is not None
+        content, buf = leg.held.response.content, leg.data
+        scanner = self.record.session.scanner if self.record.session is not None else None
+        while True:
+            cut = buf.rfind(b"\n\n")
+            if cut >= 0:
+                events, buf = buf[:cut].split(b"\n\n"), buf[cut + 2:]
+                progress.events += len(events)
+                out = []
+                for event in events:
+                    obj = _json(event)
+                    if obj is not None:
+                        out.append(handle(obj))
+                    if self.finish is not None or self.aborted:
+                        break
+                if self.finish is not None:
+                    out.append(self._ending())
+                body = b"".join(out)
+                if body:
+                    progress.waiting = True  # a slow client is no stalled replica
+                    await self._write(send, body, scanner, end=self.finish is not None)
+                    progress.waiting = False
+                if self.finish is not None:
+                    return True
+                if self.aborted:
+                    return False
+            chunk = await content.readany()
+            if not chunk:
+                return False
+            buf += chunk
+
+    async def _write(self, send: Send, body: bytes, scanner: Any = None, end: bool = False) -> None:
         if scanner is not None:
             scanner.feed(body)
         await send({"type": "http.response.body", "body": body, "more_body": not end})
-        return True
 
-    # each continuation event into the client's chunk: b"" (nothing to show), None (the leg failed) ---------------
+    # each continuation event into the client's chunk (b"": nothing to show) ---------------------------------------
     def _chunk(self, obj: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps({**obj, **self.head}) + b"\n\n"
 
-    def _completions_event(self, obj: dict[str, Any]) -> bytes | None:
-        """A completions client: the continuation's chunks as they are, under the stream's id, created, model."""
+    def _completions_event(self, obj: dict[str, Any]) -> bytes:
+        """A completions client: the continuation's chunks as they are, under the stream's id, created, model; an
+        abort chunk's text and ids are the client's too."""
         choices = obj.get("choices")
         if not choices:
             return b""  # the leg's usage: the stream's own is written at the end
         choice = choices[0]
         reason = choice.get("finish_reason")
-        if reason == "abort":
-            return None
         self.generated.extend(choice.get("token_ids") or ())
         self.done = len(self.generated)
         choice["token_ids"] = None
         if "prompt_token_ids" in choice:
             choice["prompt_token_ids"] = None
+        if reason == "abort":
+            self.aborted, choice["finish_reason"] = True, None
+            return self._chunk(obj) if choice.get("text") else b""
         self.finish = reason
         return self._chunk(obj)
 
-    def _chat_event(self, obj: dict[str, Any], parser: M3StreamParser) -> bytes | None:
-        """A chat client, a token-id continuation: its raw text through the M3 parser into chat deltas."""
+    def _chat_event(self, obj: dict[str, Any], parser: M3StreamParser) -> bytes:
+        """A chat client, a token-id continuation: its raw text through the M3 parser into chat deltas. The parser's
+        state after every event is where the next cut resumes, a held-back partial marker included."""
         choices = obj.get("choices")
         if not choices:
             return b""
         choice = choices[0]
         reason = choice.get("finish_reason")
-        if reason == "abort":
-            return None
+        self.aborted = reason == "abort"
         delta = parser.feed(choice.get("text") or "")
-        if reason is not None:
+        if reason is not None and not self.aborted:
             for key, value in parser.finish().items():
                 delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
         self.generated.extend(choice.get("token_ids") or ())
-        if parser.clean:
-            self.done, self.state = len(self.generated), parser.state
+        self.done, self.state = len(self.generated), parser.state
         self.tools_called = self.tools_called or parser.state.tools_called
-        if reason is not None:
+        if reason is not None and not self.aborted:
             self.finish = chat_finish_reason(self.body, reason, self.tools_called)
         elif not delta:
             return b""
@@ -551,52 +659,53 @@ class Resumer:
         return self._chunk({"object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
 
-    def _chat_again(self, obj: dict[str, Any]) -> bytes | None:
-        """A chat client with nothing committed: the same chat request on another replica, its role chunk and the
-        tool calls the client already saw announced left out."""
+    def _chat_again(self, obj: dict[str, Any], again: _Again) -> bytes:
+        """A chat client with nothing committed: the same chat request on another replica, its role chunk and
+        what the client already saw (text, tool-call announcements) left out."""
         if isinstance(obj.get("prompt_token_ids"), list):  # the role chunk: the prompt's ids, for the usage
-            self.prompt_ids = obj["prompt_token_ids"]
+            self.prompt_tokens = self.prompt_tokens or len(obj["prompt_token_ids"])
         choices = obj.get("choices")
         if not choices:
             return b""
         choice = choices[0]
         reason, delta = choice.get("finish_reason"), choice.get("delta") or {}
-        if reason == "abort":
-            return None
-        self.generated.extend(choice.get("token_ids") or ())
+        before = len(again.ids)
+        again.ids.extend(choice.get("token_ids") or ())
         choice["token_ids"] = None
-        delta.pop("role", None)
-        for call in delta.get("tool_calls") or ():
-            function = call.get("function") or {}
-            if function.get("name") and self._announced:
-                self._announced -= 1
-                call.pop("id", None), call.pop("type", None), function.pop("name", None)
-        self.tools_called = self.tools_called or bool(delta.get("tool_calls"))
-        if reason is not None:
-            self.finish = reason
-        elif not any(v for v in delta.values()):
+        self.aborted = reason == "abort"
+        if delta.pop("role", None) is not None:
             return b""
-        if not delta.get("reasoning") and not delta.get("content") and delta.get("tool_calls") and any(
-                (c.get("function") or {}).get("arguments") is not None for c in delta["tool_calls"]):
-            self.done = len(self.generated)  # a whole tool call: a next cut keeps it
+        if any(delta.values()):
+            delta = again.shown(delta, before)
+            choice["delta"] = delta
+        self.tools_called = self.tools_called or bool(delta.get("tool_calls"))
+        if reason is not None and not self.aborted:
+            self.finish = reason
+            self.generated = again.ids
+        elif self.aborted:
+            choice["finish_reason"] = None
+        if self.finish is None and not any(v for v in delta.values()):
+            return b""
         return self._chunk({**obj, "object": "chat.completion.chunk"})
 
-    def _ending(self, final: bool = False) -> bytes:
-        """The stream's end: the final chunk when no continuation wrote it (`final`), usage if asked, [DONE]."""
+    def _final_chunk(self) -> bytes:
+        """The finish chunk no continuation wrote: every token the client allowed is out."""
+        self.finish = "length"
+        if self.api == "chat":
+            return self._chat_chunk({}, "length")
+        return self._chunk({"object": "text_completion", "choices": [
+            {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
+
+    def _ending(self, usage: dict[str, Any] | None = None) -> bytes:
+        """The stream's end: the usage chunk if the client asked for it and has not got it, then [DONE]. `usage`:
+        the replica's own, when it came ({} when the client has it already); else counted here."""
+        if not usage:
+            prompt = self.prompt_tokens or self.record.prompt_tokens_est
+            counted = {"prompt_tokens": prompt, "total_tokens": prompt + len(self.generated),
+                       "completion_tokens": len(self.generated)}
+        self.record.usage = usage or counted
         out = b""
-        if final:
-            out = self._chat_chunk({}, "length") if self.api == "chat" else self._chunk({
-                "object": "text_completion", "choices": [{"index": 0, "text": "", "logprobs": None,
-                                                          "finish_reason": "length"}]})
-        prompt = len(self.prompt_ids) if self.prompt_ids is not None else self.record.prompt_tokens_est
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(self.generated),
-                 "completion_tokens": len(self.generated)}
-        self.record.usage = usage
-        if self.include_usage:
+        if self.include_usage and usage is None:
             kind = "chat.completion.chunk" if self.api == "chat" else "text_completion"
-            out += self._chunk({"object": kind, "choices": [], "usage": usage})
+            out = self._chunk({"object": kind, "choices": [], "usage": counted})
         return out + b"data: [DONE]\n\n"
-
-
-class _NoPrompt(Exception):
-    """The target could not give the prompt's ids."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
+
 from policies.m3_stream import ParserState, initial_state
 
 # Sampling and output fields a continuation keeps as the client sent them (everything else is rebuilt).
@@ -75,6 +77,16 @@ def resume_body(body: dict[str, Any], api: str, model: str, context: list[int], 
     return out
 
 
+def resume_payload(body: dict[str, Any], api: str, model: str, prompt_ids: bytes, generated: list[int]) -> bytes:
+    """`resume_body` as bytes, its prompt spliced from `prompt_ids` (the prompt's ids as JSON text, no brackets:
+    a 1M-token prompt is never a Python list) followed by the `generated` ids."""
+    rest = orjson.dumps(resume_body(body, api, model, [], len(generated)))  # {"model":…,"prompt":[],…}
+    at = rest.index(b'"prompt":[]') + 10
+    ids = orjson.dumps(generated)[1:-1]
+    joined = prompt_ids + b"," + ids if prompt_ids and ids else prompt_ids or ids
+    return b"".join((rest[:at], joined, rest[at:]))
+
+
 def nothing_left(body: dict[str, Any], api: str, done: int) -> bool:
     """Every token the client allowed is out: the answer ends here (`length`), there is nothing to resume."""
     budget = output_budget(body, api)
@@ -105,14 +117,19 @@ class Cut:
     state: ParserState
 
 
-def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: int = 0) -> Cut:
+def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, complete: bool = False,
+             tool_index: int = 0) -> Cut:
     """The resume point of a chat stream from the chunks the client saw (vLLM parsed them: only their deltas are
     known). Chunks held back (empty delta) are regenerated. Greedy, the last text chunk is regenerated too and its
-    text suppressed, so a marker inside it (`</mm:think>` in the same step as the last reasoning) is read again;
-    otherwise the stream resumes after it, in the kind of text it showed. A tool call whose arguments the client
-    has not seen is regenerated from its `<invoke>` on, its announcement not repeated. `marks`: the client's chunks
-    since the last text chunk (or all), in order; `tool_index`: tool calls completed before them."""
+    text suppressed, so a marker inside it (`</mm:think>` in the same step as the last reasoning) is read again:
+    from the answer's start when it is the first chunk shown (`complete`: `marks` begin with the answer, then the
+    state there is known exactly), from the end of the chunk before it when chunks held back in between belong to
+    its text (same kind), else from its own start. Otherwise the stream resumes after it, in the kind of text it
+    showed. A tool call whose arguments the client has not seen is regenerated from its `<invoke>` on, its
+    announcement not repeated. `marks`: the client's chunks since the last text chunk (or all), in order;
+    `tool_index`: tool calls completed before them."""
     done, state, announced, seen = 0, initial_state(thinking_mode), 0, False
+    first, previous = complete, None  # no chunk shown before this one; the one shown before it, and its kind
     for mark in marks:
         delta = mark.delta
         reasoning, content = delta.get("reasoning") or "", delta.get("content") or ""
@@ -120,8 +137,13 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
         if reasoning or content:
             kind = "reasoning" if reasoning else "content"
             seen = seen or bool(reasoning)  # reasoning shown: the answer's `<mm:think>` (if it wrote one) is behind
-            if greedy:
-                done = mark.before
+            if greedy and first:
+                done = 0
+                state = replace(initial_state(thinking_mode), suppress_reasoning=len(reasoning),
+                                suppress_content=len(content))
+            elif greedy:
+                joined = previous is not None and previous[1] == kind and previous[0].after < mark.before
+                done = previous[0].after if joined and previous is not None else mark.before
                 state = ParserState(mode=kind, suppress_reasoning=len(reasoning), suppress_content=len(content),
                                     tool_index=tool_index, think_seen=seen)
             else:
@@ -129,6 +151,7 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
                 state = ParserState(mode="content" if content else "reasoning", tool_index=tool_index,
                                     think_seen=seen)
             announced = 0
+            previous = (mark, "content" if content else kind)
         for call in calls:
             function = call.get("function") or {}
             if function.get("name"):
@@ -136,6 +159,8 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
             if function.get("arguments") is not None:
                 done, tool_index, announced = mark.after, tool_index + 1, max(0, announced - 1)
                 state = ParserState(mode="tools", tool_index=tool_index, tools_called=True)
+            previous = (mark, "tools")
+        first = first and not (reasoning or content or calls)
     return Cut(done, _with_announced(state, announced))
 
 

@@ -12,6 +12,7 @@ the gateway drains it instead of counting its refusals as failures.
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -26,6 +27,7 @@ __all__ = [
     "prefill_body",
     "refuses_new_requests",
     "tokenize_body",
+    "tokenize_ids",
     "usage_counts",
     "usage_of",
 ]
@@ -101,6 +103,24 @@ def tokenize_body(body: Mapping[str, Any], api: str, model: str) -> dict[str, An
             out["add_special_tokens"] = body["add_special_tokens"]
         return out
     return None
+
+
+_TOKENS = re.compile(rb'"tokens"\s*:\s*\[')
+_NOT_IDS = b"0123456789, \n"
+
+
+def tokenize_ids(answer: bytes) -> bytes | None:
+    """The ids of a /tokenize answer as their JSON text (no brackets), or None when it is not a well-formed answer
+    with at least one id. Read as bytes, never as a list: a 1M-token prompt's ids are spliced, not converted."""
+    found = _TOKENS.search(answer, 0, 4096)
+    if found is None:
+        return None
+    start = found.end()
+    end = answer.find(b"]", start)
+    ids = answer[start:end].strip() if end > start else b""
+    if not ids or ids.translate(None, _NOT_IDS) or b",," in ids or ids.startswith(b",") or ids.endswith(b","):
+        return None
+    return ids
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
