@@ -75,3 +75,14 @@ def test_chat_finish_reason_says_tool_calls_unless_a_function_was_named() -> Non
     assert chat_finish_reason({}, "stop", True) == "tool_calls"
     assert chat_finish_reason({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "stop", True) == "stop"
     assert chat_finish_reason({}, "length", False) == "length"
+
+
+def test_the_continuation_payload_splices_the_prompt_ids_as_bytes() -> None:
+    import orjson
+
+    from policies.migration import resume_body, resume_payload
+
+    body = {"model": "alias", "messages": [], "max_tokens": 10, "temperature": 0, "seed": 3}
+    spliced = resume_payload(body, "chat", "m", b"11,12,13", [900, 901])
+    assert orjson.loads(spliced) == resume_body(body, "chat", "m", [11, 12, 13, 900, 901], 2)
+    assert orjson.loads(resume_payload(body, "chat", "m", b"11", []))["prompt"] == [11]
