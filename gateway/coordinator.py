@@ -75,7 +75,7 @@ class Coordinator:
         self.learning = Learning(gateway)  # what answers teach the estimates (gateway/learning.py)
         self.upstream = Upstream(gateway, self.learning, self.finished)  # one upstream call (gateway/upstream.py)
         self.disagg = Disaggregation(gateway, self.upstream)  # the P/D path of disaggregated pools
-        # resumable streams gone silent (gateway/migration.py)
+        # resumable streams gone silent (gateway/migration/)
         self.stalls = StallWatch(gateway.clock, gateway.config.server.health_interval_s)
 
     async def serve(self, request: Request, api: str) -> Any:
@@ -375,7 +375,7 @@ class Coordinator:
     def resumer(self, record: RequestRecord, body: dict[str, Any], api: str, payload: bytes, strip_usage: bool,
                 choice: PoolChoice, routing: RoutingRequest, refused: str | None) -> Resumer:
         """How this request's stream is resumed on another replica if its replica fails after the first byte
-        (gateway/migration.py), or counted refused when it cannot be (`refused`: why)."""
+        (gateway/migration/), or counted refused when it cannot be (`refused`: why)."""
         cfg = self.gw.config.routing.migration
         return Resumer(self.gw, record, body, api, payload, include_usage=not strip_usage,
                        choose=lambda failed: self.resume_targets(choice, routing, failed),

@@ -4,7 +4,7 @@ aiohttp is the upstream client (httpx's pool tops out near 100 req/s at c=64 her
 Streaming responses are forwarded event by event as they arrive. The only bytes m3gate changes are the usage chunk
 it asked for itself (`stream_options.include_usage` added so it can count tokens), which the client never sees.
 A failure before the first byte is retried elsewhere; after it, a resumable chat or completions stream goes on on
-another replica (gateway/migration.py), and any other stream ends with an SSE error event, never a silent cut.
+another replica (gateway/migration/), and any other stream ends with an SSE error event, never a silent cut.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def upstream_payload(
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
     gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
     class's, for pools whose vLLM schedules by priority (it replaces any the client sent). `token_ids`: a resumable
-    stream asks for `return_token_ids` (gateway/migration.py strips them from what the client gets).
+    stream asks for `return_token_ids` (gateway/migration/ strips them from what the client gets).
 
     Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
     again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
@@ -130,7 +130,7 @@ class SseFilter:
     def __init__(self, strip_usage: bool) -> None:
         self._buf = b""
         self.waiting = False  # the relay waits on the client (a stall watch does not count that as silence)
-        self.failure: str | None = None  # the replica ended the answer itself (gateway/migration.py's IdFilter)
+        self.failure: str | None = None  # the replica ended the answer itself (gateway/migration/'s IdFilter)
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
         self.saw_done = False
@@ -256,7 +256,7 @@ class StreamRelay:
         self.headers = headers
         self.record = record
         self.filter = filt if filt is not None else SseFilter(strip_usage)
-        # a chat/completions stream broken after its first byte: resumed elsewhere, or ended (gateway/migration.py)
+        # a chat/completions stream broken after its first byte: resumed elsewhere, or ended (gateway/migration/)
         self.resume = resume
         self.on_done = on_done
         self.first_chunk = first_chunk

@@ -127,7 +127,7 @@ class Attempt:
     watch: DisconnectWatch
     raw_headers: list[tuple[bytes, bytes]] = field(init=False)
     answered_5xx: list[Replica] = field(default_factory=list)
-    resumer: Resumer | None = None  # a stream broken after its first byte: how it is resumed (gateway/migration.py)
+    resumer: Resumer | None = None  # a stream broken after its first byte: how it is resumed (gateway/migration/)
 
     def __post_init__(self) -> None:
         self.raw_headers = self.request.scope["headers"]
@@ -241,7 +241,7 @@ class Upstream:
 
     async def resume(self, record: RequestRecord, target: Target, routing: RoutingRequest, path: str, payload: bytes,
                      tokens: int) -> tuple[Held, bytes] | Failed:
-        """One continuation of a stream broken after its first byte (gateway/migration.py), sent as every attempt
+        """One continuation of a stream broken after its first byte (gateway/migration/), sent as every attempt
         is: the dispatch bookkeeping (the pool's policy, the prefix index, shared state), the call, and its failure
         classified (a shutting-down replica drained, a 5xx counted, a 4xx — the continuation's, not the replica's
         fault — neither). The record's first-attempt fields (send time, decision) stay the stream's. Returns the

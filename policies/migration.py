@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from policies.m3_stream import ParserState, initial_state
+from policies.vllm_wire import continuation_body, splice_prompt
 
 # Sampling and output fields a continuation keeps as the client sent them (everything else is rebuilt).
 SAMPLING_FIELDS = (
@@ -62,29 +63,19 @@ def resume_body(body: dict[str, Any], api: str, model: str, context: list[int], 
     """The `/v1/completions` body that continues `body`'s answer after `done` generated tokens; `context` is the
     prompt's ids followed by those tokens. Chat's M3 parser keeps special tokens (the markers must come back as
     text); completions keep the client's choice."""
-    out: dict[str, Any] = {"model": model, "prompt": context, "stream": True,
-                           "stream_options": {"include_usage": True}, "return_token_ids": True}
-    for key in SAMPLING_FIELDS:
-        if key in body:
-            out[key] = body[key]
     budget = output_budget(body, api)
-    if budget is not None:
-        out["max_tokens"] = budget - done
     min_tokens = body.get("min_tokens")
-    if isinstance(min_tokens, int) and min_tokens > 0:
-        out["min_tokens"] = max(0, min_tokens - done)
-    out["skip_special_tokens"] = body.get("skip_special_tokens", True) if api == "completions" else False
-    return out
+    return continuation_body(
+        {key: body[key] for key in SAMPLING_FIELDS if key in body}, model, context,
+        budget - done if budget is not None else None,
+        max(0, min_tokens - done) if isinstance(min_tokens, int) and min_tokens > 0 else None,
+        body.get("skip_special_tokens", True) if api == "completions" else False)
 
 
 def resume_payload(body: dict[str, Any], api: str, model: str, prompt_ids: bytes, generated: list[int]) -> bytes:
-    """`resume_body` as bytes, its prompt spliced from `prompt_ids` (the prompt's ids as JSON text, no brackets:
-    a 1M-token prompt is never a Python list) followed by the `generated` ids."""
-    rest = orjson.dumps(resume_body(body, api, model, [], len(generated)))  # {"model":…,"prompt":[],…}
-    at = rest.index(b'"prompt":[]') + 10
-    ids = orjson.dumps(generated)[1:-1]
-    joined = prompt_ids + b"," + ids if prompt_ids and ids else prompt_ids or ids
-    return b"".join((rest[:at], joined, rest[at:]))
+    """`resume_body` as bytes, its prompt spliced from `prompt_ids` (the prompt's ids as JSON text, no brackets)
+    followed by the `generated` ids."""
+    return splice_prompt(orjson.dumps(resume_body(body, api, model, [], len(generated))), prompt_ids, generated)
 
 
 def nothing_left(body: dict[str, Any], api: str, done: int) -> bool:

@@ -1,6 +1,6 @@
 """A continuation goes through the same upstream path as every request (gateway/upstream.py `Upstream.resume`): a
-replica shutting down (vLLM's "cannot schedule new futures" 500) is drained, not ejected; a 4xx ejects nothing; a /tokenize that answers 200
-with no ids means that replica cannot resume the stream (the API's error event, never a silent cut); the failed
+replica shutting down (vLLM's "cannot schedule new futures" 500) is drained, not ejected; a 4xx ejects nothing; a
+/tokenize that answers 200 with no ids means that replica cannot resume the stream (the API's error event, never a silent cut); the failed
 replica's in-flight count ends with its leg; a resumed stream teaches no replica latency.
 
 Each pool has two replicas and routes round robin, so a first leg is put on the first one by a probe request that

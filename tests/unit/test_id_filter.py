@@ -1,4 +1,4 @@
-"""IdFilter (gateway/migration.py) relays a stream the same whether its events come one per read or many per read:
+"""IdFilter (gateway/migration/) relays a stream the same whether its events come one per read or many per read:
 the bulk path for plain token events must give the bytes, ids and cut context the per-event path gives."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The stall watch (gateway/migration.py) cuts a stream whose replica went silent, and only then: time the relay
+"""The stall watch (gateway/migration/) cuts a stream whose replica went silent, and only then: time the relay
 spends waiting on a slow client is not the replica's silence, and one failed health probe (a busy replica's slow
 /health) is no sign of a dead replica. Its check runs on a clock passed in."""
 

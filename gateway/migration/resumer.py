@@ -1,23 +1,8 @@
-"""Stream migration: a stream whose replica fails after the first byte goes on, token for token, on another replica.
-
-Three parts (the mechanism and its reasons: docs/stream-migration.md):
-
-- `IdFilter`, on every resumable stream's relay: the replica was asked for `return_token_ids`; the filter keeps
-  the generated ids (array('I'), 4 bytes a token), turns the ids back into the `null` the client would have got
-  (byte slicing, no JSON parsing; a 1M-token prompt's ~7 MB of `prompt_token_ids` is sliced out unread), drops the
-  chunks vLLM sends only because ids were asked for (held-back tokens, empty delta), and notices a replica-side
-  end: `finish_reason: "abort"` or an error event. Its cost is a few byte searches per event.
-- `StallWatch`: one ticker for all live streams; a stream silent longer than the stall timeout (or silent while its
-  replica is ejected or unhealthy) is closed, which turns it into a failure the relay then migrates.
-- `Resumer.run`: on a failure, picks another replica (the coordinator's choice, the failed ones excluded), resumes
-  through `/v1/completions` with the prompt's ids (POST /tokenize there) plus the committed generated ids, and
-  relays the continuation as the same stream: chat's raw text goes through `policies.m3_stream` back into deltas.
-"""
+"""`Resumer`: resumes one broken stream on other replicas (the package's docstring says where it fits)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,296 +13,27 @@ import aiohttp
 import orjson
 from starlette.types import Send
 
+from gateway.migration.id_filter import RECENT_CHUNKS, IdFilter
+from gateway.migration.stall import StallWatch
 from gateway.record import RequestRecord
 from gateway.relay import Held, SseFilter, stream_error_event
 from gateway.runtime import Gateway
 from policies.m3_stream import M3StreamParser, ParserState
 from policies.migration import Mark, chat_cut, chat_finish_reason, nothing_left, resume_payload
-from policies.vllm_wire import connection_refused, refuses_new_requests, tokenize_body, tokenize_ids
+from policies.vllm_wire import (
+    STREAM_DONE,
+    chat_chunk,
+    completion_chunk,
+    connection_refused,
+    event_json,
+    refuses_new_requests,
+    sse_event,
+    stream_usage,
+    tokenize_body,
+    tokenize_ids,
+    usage_chunk,
+)
 from pools.replicas import PoolRuntime, Replica
-from pools.tasks import cancel_and_wait
-
-_IDS, _PROMPT_IDS, _NO_IDS = b'"token_ids":[', b'"prompt_token_ids":[', b'"token_ids":null'
-_GOING_ON, _FINISHED, _HELD_BACK = b'"finish_reason":null', b'"finish_reason":"', b'"delta":{}'
-RECENT_CHUNKS = 16  # a chat stream's last chunks the client saw, kept to find the cut (text, tool calls)
-EJECTED_SILENCE_S = 1.0  # a stream this silent on an ejected or unhealthy replica is given up on
-
-
-class IdFilter(SseFilter):
-    """SseFilter for a resumable chat/completions stream asked for `return_token_ids` (see the module's docstring).
-
-    `recent`: (ids before, ids after, event) of the last chunks the client saw in full (chat); `failure`: why the
-    replica's stream cannot go on though it may still send bytes ("abort", "error")."""
-
-    __slots__ = ("ids", "chat", "recent", "head", "finished", "prompt_tokens", "evicted", "_prompt_seen",
-                 "_recent_events")
-
-    def __init__(self, strip_usage: bool, chat: bool) -> None:
-        super().__init__(strip_usage)
-        self.ids = array("I")
-        self.chat = chat
-        # (ids before, each event's raw ids, the events as relayed): the last reads, RECENT_CHUNKS events or more
-        self.recent: deque[tuple[int, list[bytes], bytes]] = deque()
-        self._recent_events = 0
-        self.head = b""  # the first event (its id, created, model are the stream's)
-        self.failure: str | None = None
-        self.finished = False  # the answer's finish_reason came
-        self.prompt_tokens = 0  # the prompt's ids, counted as they are stripped
-        self.evicted = False  # `recent` lost its oldest chunks: it no longer begins with the answer
-        self._prompt_seen = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        complete = self._complete(chunk)
-        if not complete or self.failure is not None:
-            return b""
-        out = b""
-        if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):  # the stream's first event
-            first = complete.find(b"\n\n")
-            out, complete = self._event(complete[:first]), complete[first + 2:]
-            if not complete or self.failure is not None:
-                return out
-            if not self.head or (not self._prompt_seen and _PROMPT_IDS in complete):
-                return out + self._events(complete)
-        if complete.find(b"\n\n") == len(complete) - 2:  # one event: the usual read at decode pace
-            return out + self._one(complete)
-        end = self._plain_end(complete)
-        return out + self._tokens(complete[:end]) + self._events(complete[end:])
-
-    def _one(self, event: bytes) -> bytes:
-        """One whole event (with its blank line): a plain token event in a few byte operations; anything else
-        (a finish, usage, [DONE], an error, a held-back chunk) through `_event`."""
-        i = event.find(_IDS)
-        if i < 0 or _GOING_ON not in event or (self.chat and _HELD_BACK in event):
-            return self._event(event[:-2])
-        j = event.find(b"]", i + 13)
-        raw = event[i + 13:j]
-        before = len(self.ids)
-        if raw:
-            if b"," in raw:
-                self._keep([raw])
-            else:
-                self.ids.append(int(raw))
-        self.events += 1
-        out = event[: i + 12] + b"null" + event[j + 1:]
-        if self.chat:
-            self._remember(before, [raw], out)
-        return out
-
-    def _plain_end(self, complete: bytes) -> int:
-        """Where the leading run of plain token events ends: the start of the first event with a finish_reason
-        (then usage, [DONE]) or, in chat, of one held back."""
-        end = len(complete)
-        for marker in (_FINISHED, _HELD_BACK) if self.chat else (_FINISHED,):
-            at = complete.find(marker, 0, end)
-            if at >= 0:
-                i = complete.rfind(b"\n\n", 0, at)
-                end = i + 2 if i >= 0 else 0
-        return end
-
-    def _events(self, complete: bytes) -> bytes:
-        """Whole events, one by one."""
-        if not complete:
-            return b""
-        if complete.find(b"\n\n") == len(complete) - 2:
-            return self._event(complete[:-2])
-        return b"".join([self._event(event) for event in complete.split(b"\n\n")[:-1]])
-
-    def _tokens(self, complete: bytes) -> bytes:
-        """Whole events that should each carry ids and go on (no finish, nothing held back): a few C calls whatever
-        their number (a read often holds many), not Python per event; one by one if they do not all."""
-        if not complete:
-            return b""
-        n = complete.count(b"\n\n")
-        pieces = complete.split(_IDS)
-        if len(pieces) != n + 1 or complete.count(_GOING_ON) != n:
-            return self._events(complete)
-        self.events += n
-        parts = [piece.partition(b"]") for piece in pieces[1:]]
-        raw = [part[0] for part in parts]
-        before = len(self.ids)
-        self._keep(raw)
-        pieces[1:] = [part[2] for part in parts]
-        out = _NO_IDS.join(pieces)
-        if self.chat:
-            self._remember(before, raw, out)
-        return out
-
-    def _keep(self, raw: list[bytes]) -> None:
-        """The generated ids, from their decimal text (`raw`: each event's, comma-separated)."""
-        text = b",".join(raw)
-        try:
-            self.ids.extend(orjson.loads(b"[" + text + b"]"))
-        except orjson.JSONDecodeError:  # an event with no ids: `[]`
-            self.ids.extend(int(x) for x in text.split(b",") if x)
-
-    def _remember(self, before: int, raw: list[bytes], out: bytes) -> None:
-        """Keeps the events just relayed for a cut, and older reads only while the last RECENT_CHUNKS need them."""
-        recent = self.recent
-        recent.append((before, raw, out))
-        self._recent_events += len(raw)
-        while self._recent_events - len(recent[0][1]) >= RECENT_CHUNKS:
-            self._recent_events -= len(recent.popleft()[1])
-            self.evicted = True
-
-    def recent_events(self) -> list[tuple[int, int, bytes]]:
-        """(ids before, ids after, event) of the last RECENT_CHUNKS chunks the client saw in full (at a cut only)."""
-        out = []
-        for before, raw, events in self.recent:
-            for ids, event in zip(raw, events.split(b"\n\n")):
-                after = before + (ids.count(b",") + 1 if ids else 0)
-                out.append((before, after, event))
-                before = after
-        return out[-RECENT_CHUNKS:]
-
-    def _event(self, event: bytes) -> bytes:
-        self.events += 1
-        if self.failure is not None:
-            return b""
-        i = event.find(_IDS)
-        if i < 0:
-            return self._other(event)
-        j = event.find(b"]", i + 13)
-        before = len(self.ids)
-        raw = event[i + 13:j] if j > i + 13 else b""
-        if raw:
-            self._keep([raw])
-        event = event[: i + 12] + b"null" + event[j + 1:]
-        if not self._prompt_seen:  # completions: the first chunk of the choice carries the prompt's ids
-            event = self._strip_prompt(event)
-            self.head = self.head or event
-        if b'"finish_reason":null' not in event:
-            if b'"finish_reason":"abort"' in event:  # the replica stopped it (shutdown): not the client's answer
-                self.failure = "abort"
-                return self._last_delta(before, raw, event)
-            self.finished = True
-        elif self.chat:
-            if b'"delta":{}' in event:  # held back by the parser: sent only because ids were asked for
-                return b""
-            event += b"\n\n"
-            self._remember(before, [raw], event)
-            return event
-        return event + b"\n\n"
-
-    def _last_delta(self, before: int, raw: bytes, event: bytes) -> bytes:
-        """vLLM's abort chunk carries the step's last delta (text and ids): the client gets it as a plain chunk and
-        the cut counts it; an empty one is dropped."""
-        if (b'"delta":{}' in event) if self.chat else (b'"text":""' in event):
-            return b""
-        event = event.replace(b'"finish_reason":"abort"', b'"finish_reason":null', 1) + b"\n\n"
-        if self.chat:
-            self._remember(before, [raw], event)
-        return event
-
-    def _other(self, event: bytes) -> bytes:
-        """An event without ids: [DONE], chat's role chunk (the prompt's ids), the usage chunk, an error."""
-        if event.endswith(b"[DONE]"):
-            self.saw_done = True
-            return event + b"\n\n"
-        if not self._prompt_seen and _PROMPT_IDS in event:
-            event = self._strip_prompt(event)
-        if not self.head:
-            self.head = event
-        if b'"usage"' in event and self._take_usage(event) and self.strip_usage:
-            return b""
-        if event.startswith(b'data: {"error"') or b'"object":"error"' in event:
-            self.failure = "error"
-            return b""
-        return event + b"\n\n"
-
-    def _strip_prompt(self, event: bytes) -> bytes:
-        i = event.find(_PROMPT_IDS)
-        if i < 0:
-            return event
-        self._prompt_seen = True
-        j = event.find(b"]", i + 20)
-        self.prompt_tokens = event.count(b",", i + 20, j) + 1 if j > i + 20 else 0
-        return event[: i + 19] + b"null" + event[j + 1:]
-
-    def marks(self) -> list[Mark]:
-        """The recent chunks as parsed marks (at a cut only)."""
-        out = []
-        for before, after, event in self.recent_events():
-            obj = _json(event)
-            choices = obj.get("choices") if obj else None
-            if choices:
-                out.append(Mark(before, after, choices[0].get("delta") or {}))
-        return out
-
-
-def _json(event: bytes) -> dict[str, Any] | None:
-    at = event.find(b"data:")
-    try:
-        obj = orjson.loads(event[at + 5:]) if at >= 0 else None
-    except orjson.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-class StallWatch:
-    """One ticker over every live resumable stream: closes a stream that has been silent longer than its stall
-    timeout, or for EJECTED_SILENCE_S while its replica is ejected or has failed more than one health probe in a
-    row (one failed probe — a busy replica's slow /health — is no sign of a dead one). A draining vLLM past its
-    --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed. Time the relay
-    spends waiting on a slow client (`SseFilter.waiting`) is no silence: the replica is not read then. The ticker
-    runs from `start` to `stop` (the app's lifespan): a task and a timer per stream cost more than a tick every
-    0.25 s. Used without them (an app without its lifespan), it runs while any stream is live."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic, probe_interval_s: float = 0.0) -> None:
-        self.clock = clock
-        self.probe_interval_s = probe_interval_s
-        self._live: dict[int, list[Any]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._started = False
-
-    def add(self, filt: SseFilter, held: Held, replica: Replica, timeout: float) -> int:
-        key = id(held)
-        # filter, held, replica, timeout, events seen, since when, since when its replica looks down (0: it does not)
-        self._live[key] = [filt, held, replica, timeout, filt.events, self.clock(), 0.0]
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._tick())
-        return key
-
-    def remove(self, key: int) -> None:
-        self._live.pop(key, None)
-
-    def start(self) -> None:
-        self._started = True
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._tick())
-
-    async def stop(self) -> None:
-        self._started = False
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-
-    async def _tick(self) -> None:
-        try:
-            while self._live or self._started:
-                await asyncio.sleep(0.25)
-                now = self.clock()
-                for key, entry in list(self._live.items()):
-                    if entry[1].response is None:  # the stream ended (its Held was released)
-                        del self._live[key]
-                    else:
-                        self.check(entry, now)
-        finally:
-            self._task = None
-
-    def check(self, entry: list[Any], now: float) -> None:
-        """One stream at one tick: progress (or a wait on the client) restarts its clock; else it may be cut."""
-        filt, held, replica, timeout, seen, since, _ = entry
-        if filt.events != seen or filt.waiting:
-            entry[4], entry[5] = filt.events, now
-            return
-        down = now < replica.ejected_until or not replica.healthy
-        entry[6] = (entry[6] or now) if down else 0.0
-        silent = now - since
-        dead = now < replica.ejected_until or (down and now - entry[6] > self.probe_interval_s)
-        if silent > timeout or (silent > EJECTED_SILENCE_S and dead):
-            filt.failure = filt.failure or "stall"
-            if held.response is not None:
-                held.response.close()  # the relay's read ends: a failure it migrates
 
 
 @dataclass(slots=True)
@@ -424,7 +140,7 @@ class Resumer:
         """The first leg's ids, head and cut: chat resumes at `chat_cut`, completions after every id relayed."""
         self.generated = filt.ids
         self.prompt_tokens = filt.prompt_tokens
-        head = _json(filt.head) or {}
+        head = event_json(filt.head) or {}
         self.head = {k: head[k] for k in ("id", "created", "model") if k in head}
         if self.api == "chat":
             recent = filt.recent_events()
@@ -584,7 +300,7 @@ class Resumer:
                 progress.events += len(events)
                 out = []
                 for event in events:
-                    obj = _json(event)
+                    obj = event_json(event)
                     if obj is not None:
                         out.append(handle(obj))
                     if self.finish is not None or self.aborted:
@@ -612,7 +328,7 @@ class Resumer:
 
     # each continuation event into the client's chunk (b"": nothing to show) ---------------------------------------
     def _chunk(self, obj: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps({**obj, **self.head}) + b"\n\n"
+        return sse_event({**obj, **self.head})
 
     def _completions_event(self, obj: dict[str, Any]) -> bytes:
         """A completions client: the continuation's chunks as they are, under the stream's id, created, model; an
@@ -653,11 +369,7 @@ class Resumer:
             self.finish = chat_finish_reason(self.body, reason, self.tools_called)
         elif not delta:
             return b""
-        return self._chat_chunk(delta, self.finish)
-
-    def _chat_chunk(self, delta: dict[str, Any], reason: str | None) -> bytes:
-        return self._chunk({"object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+        return sse_event(chat_chunk(self.head, delta, self.finish))
 
     def _chat_again(self, obj: dict[str, Any], again: _Again) -> bytes:
         """A chat client with nothing committed: the same chat request on another replica, its role chunk and
@@ -692,20 +404,14 @@ class Resumer:
         """The finish chunk no continuation wrote: every token the client allowed is out."""
         self.finish = "length"
         if self.api == "chat":
-            return self._chat_chunk({}, "length")
-        return self._chunk({"object": "text_completion", "choices": [
-            {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]})
+            return sse_event(chat_chunk(self.head, {}, "length"))
+        return sse_event(completion_chunk(self.head, "", "length"))
 
     def _ending(self, usage: dict[str, Any] | None = None) -> bytes:
         """The stream's end: the usage chunk if the client asked for it and has not got it, then [DONE]. `usage`:
         the replica's own, when it came ({} when the client has it already); else counted here."""
-        if not usage:
-            prompt = self.prompt_tokens or self.record.prompt_tokens_est
-            counted = {"prompt_tokens": prompt, "total_tokens": prompt + len(self.generated),
-                       "completion_tokens": len(self.generated)}
+        counted = stream_usage(self.prompt_tokens or self.record.prompt_tokens_est, len(self.generated))
         self.record.usage = usage or counted
-        out = b""
         if self.include_usage and usage is None:
-            kind = "chat.completion.chunk" if self.api == "chat" else "text_completion"
-            out = self._chunk({"object": kind, "choices": [], "usage": counted})
-        return out + b"data: [DONE]\n\n"
+            return sse_event(usage_chunk(self.head, self.api, counted)) + STREAM_DONE
+        return STREAM_DONE
