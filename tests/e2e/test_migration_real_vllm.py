@@ -2,8 +2,8 @@
 
 A greedy (temperature 0) `ignore_eos` stream of N tokens is read through the real OpenAI SDK; after a few tokens (the
 first text chunk, a few, or the finish chunk) the server serving it is SIGKILLed. The client's stream must still end
-with exactly N completion tokens, the same `prompt_tokens`, and the text of the same request run uninterrupted on a surviving server (asked directly, with
-`return_token_ids`), so nothing is lost or repeated at the seam. Each test kills one server: three servers serve
+with exactly N completion tokens, the same `prompt_tokens`, and the text of the same request run uninterrupted on a
+surviving server (asked directly, with `return_token_ids`), so nothing is lost or repeated at the seam. Each test kills one server: three servers serve
 the first two tests, a replacement is booted for every second one after (one server's boot: ~80 s on two busy
 cores).
 
