@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -48,6 +47,7 @@ from policies.prefix import prefix_blocks
 from policies.replica_choice import NoReplicaAvailable, RoutingRequest
 from policies.traffic import SLO_TPOT_HEADER, SLO_TTFT_HEADER, request_slos
 from policies.vllm_wire import tokenize_body
+from pools.replica_tokenize import post_tokenize
 from pools.replicas import PoolRuntime, Replica
 
 # Requests whose body is larger than this are classified in a worker thread, off the event loop.
@@ -189,19 +189,8 @@ class Coordinator:
         payload = tokenize_body(body, api, gw.config.model)
         if payload is None:
             return None
-        headers = {"content-type": "application/json", **pool.probe_headers()}
-        try:
-            async with gw.session.post(
-                replicas[0].url + "/tokenize", data=orjson.dumps(payload), headers=headers,
-                timeout=aiohttp.ClientTimeout(total=5),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                data = orjson.loads(await resp.read())
-                count = data.get("count")
-                return int(count) if isinstance(count, int) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
-            return None
+        answer = await post_tokenize(gw.session, replicas[0].url, orjson.dumps(payload), pool.probe_headers())
+        return answer.count()
 
     def prefix_blocks(self, body: dict[str, Any], api: str) -> tuple[int, ...]:
         """Chained prefix-block hashes, only computed when the routing policy reads them."""

@@ -24,15 +24,13 @@ from policies.vllm_wire import (
     STREAM_DONE,
     chat_chunk,
     completion_chunk,
-    connection_refused,
     event_json,
-    refuses_new_requests,
     sse_event,
     stream_usage,
     tokenize_body,
-    tokenize_ids,
     usage_chunk,
 )
+from pools.replica_tokenize import post_tokenize
 from pools.replicas import PoolRuntime, Replica
 
 
@@ -243,21 +241,12 @@ class Resumer:
         if self.api == "completions" and isinstance(prompt, list):
             self.prompt_ids = orjson.dumps(prompt)[1:-1]
         else:
-            query = tokenize_body(self.body, self.api, self.gw.config.model)
             assert self.gw.session is not None
-            try:
-                async with self.gw.session.post(replica.url + "/tokenize", data=orjson.dumps(query), headers={
-                        "content-type": "application/json", **pool.probe_headers()},
-                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    answer = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, OSError) as exc:
-                if connection_refused(exc):
-                    replica.start_draining("connection refused")
-                return None
-            if refuses_new_requests(status, answer):
-                replica.start_draining("refused a request (shutting down)")
-            self.prompt_ids = tokenize_ids(answer) if status == 200 else None
+            answer = await post_tokenize(self.gw.session, replica.url, orjson.dumps(
+                tokenize_body(self.body, self.api, self.gw.config.model)), pool.probe_headers())
+            if answer.shutting_down:
+                replica.start_draining("connection refused" if answer.refused else "refused a request (shutting down)")
+            self.prompt_ids = answer.ids()
         if self.prompt_ids is not None:
             self.prompt_tokens = self.prompt_tokens or self.prompt_ids.count(b",") + 1
         return self.prompt_ids
