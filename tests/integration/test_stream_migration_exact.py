@@ -30,12 +30,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat_reasoning": ("/chat/completions", {
         "messages": [{"role": "user", "content": "think hard, then answer"}], "max_tokens": 10, "ignore_eos": True,
         "chat_template_kwargs": {"thinking_mode": "enabled"}, **USAGE}),
-    "chat_adaptive": ("/chat/completions", {
-        "messages": [{"role": "user", "content": "a story, please"}], "max_tokens": 8, "ignore_eos": True,
+    "chat_adaptive": ("/chat/completions", {  # adaptive thinking: the answer opens its reasoning with <mm:think>
+        "messages": [{"role": "user", "content": "think about it"}], "max_tokens": 8, "ignore_eos": True,
         **USAGE}),
     "chat_tool": ("/chat/completions", {
         "messages": [{"role": "user", "content": "weather in Rome, now"}], "tools": TOOLS, "tool_choice": "required",
         "max_tokens": 200, "chat_template_kwargs": {"thinking_mode": "disabled"}, **USAGE}),
+    "chat_reasoning_tool": ("/chat/completions", {
+        "messages": [{"role": "user", "content": "weather in Oslo?"}], "tools": TOOLS, "tool_choice": "required",
+        "max_tokens": 200, "chat_template_kwargs": {"thinking_mode": "enabled"}, **USAGE}),
     "completions": ("/completions", {"prompt": "Write a story about ships.", "max_tokens": 10, "ignore_eos": True}),
     "completions_usage": ("/completions", {"prompt": "Ships again.", "max_tokens": 6, "ignore_eos": True, **USAGE}),
 }
