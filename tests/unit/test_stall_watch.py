@@ -73,3 +73,71 @@ def test_an_ejected_replica_s_silent_stream_is_cut_at_once() -> None:
     entry, filt, held = _entry(watch, replica)
     watch.check(entry, 1.2)
     assert held.response.closed and filt.failure == "stall"  # type: ignore[union-attr]
+
+
+def test_a_relay_blocked_on_a_slow_client_is_not_cut_by_the_stall_watch() -> None:
+    """End to end in-process: a replica on loopback streams 6 events; the client takes 2.5 s to accept the first
+    write. With a 1 s stall timeout the stream must still complete, unresumed: the relay was waiting on the client,
+    not the replica."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.migration import IdFilter
+    from gateway.record import RequestRecord
+    from gateway.relay import StreamRelay
+
+    event = (b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             b'"text":" w","logprobs":null,"finish_reason":null,"token_ids":[5]}]}\n\n')
+
+    async def replica_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(6):
+            await resp.write(event)
+            await asyncio.sleep(0.02)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run() -> tuple[list[str], bytes]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", replica_stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        watch, resumed, got = StallWatch(probe_interval_s=2.0), [], []
+        watch.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                replica = Replica(url=f"http://127.0.0.1:{port}", pool="p")
+                held = Held(replica.guard(1))
+                held.response = await session.post(replica.url + "/v1/completions", data=b"{}")
+                filt = IdFilter(False, chat=False)
+                watch.add(filt, held, replica, 1.0)
+
+                async def resume(send: Any, f: Any, failure: str) -> None:
+                    resumed.append(failure)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+                async def send(message: dict[str, Any]) -> None:
+                    if message["type"] == "http.response.body" and message["body"] and not any(got):
+                        await asyncio.sleep(2.5)  # a slow client: the first write waits on it
+                    got.append(message.get("body", b""))
+
+                async def receive() -> dict[str, Any]:
+                    await asyncio.sleep(60)
+                    return {"type": "http.disconnect"}
+
+                relay = StreamRelay(held, 200, [], RequestRecord(api="completions", stream=True, t_arrival=0.0),
+                                    False, lambda record: None, filt=filt, resume=resume)
+                await relay({"type": "http"}, receive, send)
+        finally:
+            await watch.stop()
+            await runner.cleanup()
+        return resumed, b"".join(got)
+
+    resumed, body = asyncio.run(run())
+    assert resumed == [] and body.count(b'"text":" w"') == 6 and body.endswith(b"data: [DONE]\n\n")
