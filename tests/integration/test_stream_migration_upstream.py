@@ -204,3 +204,24 @@ def test_the_failed_replica_is_released_at_the_cut_and_a_resumed_stream_teaches_
     finally:
         b.set_faults(added_latency_ms=0)
         gw.stop()
+
+
+def test_a_client_leaving_while_the_continuation_is_opened_leaves_nothing_in_flight(sims: list[SimProcess]) -> None:
+    gw = gateway([s.url for s in sims])
+    a, b = sims
+    try:
+        next_lands_on(gw, a.url)
+        b.set_faults(added_latency_ms=1500)  # the continuation waits on b when the client leaves
+        with httpx.stream("POST", gw.base_url + "/chat/completions", timeout=30,
+                          json={"model": MODEL, "stream": True, "temperature": 0, **CHAT},
+                          headers={"x-sim-drop-after-chunks": "4"}) as resp:
+            for _ in resp.iter_raw():
+                break
+            time.sleep(0.5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(r["in_flight"] for r in replicas(gw).values()):
+            time.sleep(0.1)
+        assert {url: r["in_flight"] for url, r in replicas(gw).items()} == {a.url: 0, b.url: 0}
+    finally:
+        b.set_faults(added_latency_ms=0)
+        gw.stop()
