@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.types import Receive
 
 from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
+from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, Waiter, retry_after_s
 from policies.classify import RequestProfile
@@ -51,12 +52,13 @@ class Ticket:
     """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
     replica's LoadGuard; `__del__` is only the last line of defence)."""
 
-    __slots__ = ("_owner", "pool", "cls")
+    __slots__ = ("_owner", "pool", "cls", "queued_s")
 
-    def __init__(self, owner: AdmissionControl, pool: str, cls: str) -> None:
+    def __init__(self, owner: AdmissionControl, pool: str, cls: str, queued_s: float = 0.0) -> None:
         self._owner: AdmissionControl | None = owner
         self.pool = pool
         self.cls = cls
+        self.queued_s = queued_s  # how long its request waited in the queue for it (x-m3gate-queue-ms)
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
@@ -130,9 +132,13 @@ class AdmissionControl:
         self.counters["queued"] += 1
         self._wake.set()
         if await self._wait(gate, waiter, receive, cfg.max_queue_wait_s):
-            return home, waiter.handle.result()
+            ticket = waiter.handle.result()
+            ticket.queued_s = self.clock() - waiter.arrival
+            return home, ticket
         self.counters["rejected_wait"] += 1
-        raise self._refusal(home, gate, cfg, cls, priority, "waited")
+        refusal = self._refusal(home, gate, cfg, cls, priority, "waited")
+        refusal.queued_s = self.clock() - waiter.arrival
+        raise refusal
 
     def release(self, pool: str, cls: str) -> None:
         gate = self.gates.get(pool)
@@ -309,11 +315,15 @@ class TrafficControl:
         names = [p.name for p in choice.candidates]
         try:
             pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id)
+        except RetryLater as exc:
+            record.queue_s = exc.queued_s
+            raise
         except ClientGone:
             record.client_disconnected = True
             raise RequestRejected("The client closed the connection while its request waited for capacity.",
                                   status=499, code="client_closed_request") from None
         record.admission_ticket = ticket
+        record.queue_s = ticket.queued_s
         record.t_admitted = self.clock()
         if pool != choice.pool.name:
             at = names.index(pool)
@@ -351,8 +361,11 @@ class TrafficControl:
             status=429, type=dim, code="rate_limit_exceeded", retry_after_s=wait)
 
     def response_headers(self, record: RequestRecord) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers, on every response once the key's quota was checked."""
-        return record.ratelimit_headers or {}
+        """The gateway's headers on every answer, served or refused: `x-m3gate-queue-ms` (time in the admission
+        queue) and OpenAI's x-ratelimit-* once the key's quota was checked."""
+        limits = record.ratelimit_headers
+        queued = {QUEUE_MS_HEADER: queue_ms(record.queue_s)}
+        return {**limits, **queued} if limits else queued
 
     def refusal_headers(self, record: RequestRecord, exc: RequestRejected) -> dict[str, str]:
         headers = dict(self.response_headers(record))

@@ -99,7 +99,9 @@ class Coordinator:
         except UpstreamFailure as exc:
             record.status, record.error = exc.status, exc.code
             await self.finished(record)
-            headers = {"retry-after": "1"} if exc.status == 503 else None
+            headers = gw.traffic.response_headers(record)
+            if exc.status == 503:
+                headers["retry-after"] = "1"
             return exc.response(headers)
         except BaseException as exc:  # cancelled, or a gateway bug (→ 500): slot, metrics and span must not leak
             record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500

@@ -36,9 +36,10 @@ class RetryLater(RequestRejected):
     the gateway answers it with a Retry-After header."""
 
     def __init__(self, message: str, *, status: int, code: str, retry_after_s: int, type: str = "rate_limit_error",
-                 param: str | None = None) -> None:  # noqa: A002 - the OpenAI field is called `type`
+                 param: str | None = None, queued_s: float = 0.0) -> None:  # noqa: A002 - OpenAI's field name
         super().__init__(message, status=status, type=type, param=param, code=code)
         self.retry_after_s = retry_after_s
+        self.queued_s = queued_s  # how long it waited in the queue before this refusal (x-m3gate-queue-ms)
 
 
 @dataclass(eq=False, slots=True)
