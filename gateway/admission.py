@@ -16,6 +16,7 @@ per gateway process; rate limits are the part shared across processes).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 from collections import Counter, deque
@@ -29,7 +30,7 @@ from starlette.types import Receive
 from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
 from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
-from policies.admission import PoolGate, RetryLater, Waiter, retry_after_s
+from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
@@ -52,18 +53,23 @@ class Ticket:
     """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
     replica's LoadGuard; `__del__` is only the last line of defence)."""
 
-    __slots__ = ("_owner", "pool", "cls", "queued_s")
+    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge")
 
-    def __init__(self, owner: AdmissionControl, pool: str, cls: str, queued_s: float = 0.0) -> None:
+    def __init__(self, owner: AdmissionControl, pool: str, cls: str, session: str = "", charge: float = 0.0) -> None:
         self._owner: AdmissionControl | None = owner
         self.pool = pool
         self.cls = cls
-        self.queued_s = queued_s  # how long its request waited in the queue for it (x-m3gate-queue-ms)
+        self.queued_s = 0.0  # how long its request waited in the queue for it (x-m3gate-queue-ms)
+        self.session = session  # whose attained service its request counts in ("": none tracked)
+        self.charge = charge
 
-    def release(self) -> None:
+    def release(self, served: float = 0.0, output: float = 0.0) -> None:
+        """`served`: tokens its request had prefilled (uncached) and decoded, `output` of them decoded."""
         owner, self._owner = self._owner, None
         if owner is not None:
             owner.release(self.pool, self.cls)
+            if self.session:
+                owner.ledger.ended(self.session, self.charge, served, output, owner.clock())
 
     def __del__(self) -> None:
         self.release()
@@ -76,6 +82,7 @@ class AdmissionControl:
         self.clock = clock
         self.saturated = saturated
         self.gates: dict[str, PoolGate] = {}
+        self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
@@ -104,10 +111,12 @@ class AdmissionControl:
                         status=503, type="server_error", code="shutting_down", retry_after_s=1))
 
     # request path --------------------------------------------------------------------------------------------
-    async def admit(self, receive: Receive, pools: Sequence[str], cls: str, priority: int, fairness_key: str
-                    ) -> tuple[str, Ticket]:
+    async def admit(self, receive: Receive, pools: Sequence[str], cls: str, priority: int, fairness_key: str,
+                    session: str = "", charge: float = 0.0) -> tuple[str, Ticket]:
         """A slot in `pools[0]`, or in a later pool with headroom (spill), or after waiting in `pools[0]`'s queue.
-        Raises RetryLater (429 queue full, 503 waited too long / no queue) or ClientGone."""
+        `session`: whose attained service the request is charged to (`charge` while it runs) and, with the class's
+        `fairness: session`, ordered by. Raises RetryLater (429 queue full, 503 waited too long / no queue) or
+        ClientGone."""
         cfg = self.traffic.classes.get(cls)
         if cfg is None:  # a reload removed the class while this request was being classified
             raise RetryLater(f"Traffic class '{cls}' was just removed from the configuration; retry the request.",
@@ -117,17 +126,18 @@ class AdmissionControl:
         if len(gate.queue):
             self._pump(home)  # whoever is already waiting goes first
         if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
-            return home, self._grant(gate, home, cls)
+            return home, self._grant(gate, home, cls, session, charge)
         if cfg.spill_upward:
             for name in pools[1:]:
                 other = self._gate(name)
                 if not len(other.queue) and other.has_room(cls, cfg.max_concurrency, self.saturated(name)):
                     self.counters["spilled"] += 1
-                    return name, self._grant(other, name, cls)
+                    return name, self._grant(other, name, cls, session, charge)
         if gate.queue.queued(cls) >= cfg.queue_length:
             self.counters["rejected_queue_full"] += 1
             raise self._refusal(home, gate, cfg, cls, priority, "full" if cfg.queue_length else "no_queue")
-        waiter = Waiter(cls, fairness_key, priority, self.clock(), asyncio.get_running_loop().create_future())
+        waiter = Waiter(cls, fairness_key, priority, self.clock(), asyncio.get_running_loop().create_future(),
+                        session=session, charge=charge, by_session=cfg.fairness == "session")
         gate.queue.push(waiter)
         self.counters["queued"] += 1
         self._wake.set()
@@ -152,21 +162,26 @@ class AdmissionControl:
     def _gate(self, pool: str) -> PoolGate:
         gate = self.gates.get(pool)
         if gate is None:
-            gate = self.gates[pool] = PoolGate()
+            gate = self.gates[pool] = PoolGate.with_ledger(self.ledger)
         return gate
 
-    def _grant(self, gate: PoolGate, pool: str, cls: str) -> Ticket:
+    def _grant(self, gate: PoolGate, pool: str, cls: str, session: str, charge: float) -> Ticket:
         gate.take_slot(cls)
         self.counters["admitted"] += 1
-        return Ticket(self, pool, cls)
+        if session:
+            self.ledger.admitted(session, charge, self.clock())
+        return Ticket(self, pool, cls, session, charge)
 
     def _pump(self, pool: str) -> None:
         """Admit waiters of `pool` in order while slots are free; each gets its ticket through its future."""
         gate = self.gates.get(pool)
         if gate is None or not len(gate.queue):
             return
-        for waiter in gate.admit_waiting(self._limits, self.saturated(pool)):
-            ticket = Ticket(self, pool, waiter.cls)
+        now = self.clock()
+        for waiter in gate.admit_waiting(self._limits, self.saturated(pool), now):
+            if waiter.session:
+                self.ledger.admitted(waiter.session, waiter.charge, now)
+            ticket = Ticket(self, pool, waiter.cls, waiter.session, waiter.charge)
             if waiter.handle.done():  # its handler is already gone: give the slot straight back
                 ticket.release()
             else:
@@ -299,9 +314,10 @@ class TrafficControl:
         check_input_limits(body, api, self.config.limits)
 
     async def admit(self, request: Request, record: RequestRecord, client: Client, profile: RequestProfile,
-                    choice: PoolChoice) -> Admitted:
+                    choice: PoolChoice, session: str | None = None) -> Admitted:
         """Key's pools (403) → class → rate limits (429) → a slot (queue, spill, 429, 503); sets the record's
-        traffic_class and t_admitted, and keeps the slot on the record until `finished`."""
+        traffic_class and t_admitted, and keeps the slot on the record until `finished`. `session`: the sticky
+        session key, when agent sessions are not tracked (`record.session` names it when they are)."""
         traffic = self.config.traffic
         key = client.key
         if key is not None:
@@ -314,7 +330,9 @@ class TrafficControl:
             await self._rate_limit(client, profile, record)
         names = [p.name for p in choice.candidates]
         try:
-            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id)
+            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id,
+                                                      fairness_session(record, client.key_id, session),
+                                                      float(profile.prompt_tokens))
         except RetryLater as exc:
             record.queue_s = exc.queued_s
             raise
@@ -377,7 +395,8 @@ class TrafficControl:
         """The upstream request has ended (or never started): free its slot, note its first-token latency."""
         ticket, record.admission_ticket = record.admission_ticket, None
         if ticket is not None:
-            ticket.release()
+            prompt, completion, cached = record.tokens()
+            ticket.release(max(0, prompt - cached) + completion, completion)
             if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:
                 samples = self._ttft.setdefault(record.traffic_class, deque(maxlen=_TTFT_SAMPLES))
                 samples.append(record.t_first_byte - record.t_arrival)
@@ -420,6 +439,22 @@ def raw_header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+_ONE_OFF = itertools.count()
+
+
+def fairness_session(record: RequestRecord, key_id: str, session: str | None) -> str:
+    """The session whose attained service a request counts in: the agent session the gateway derived
+    (gateway/sessions.py: headers, body, inferred turns), else the sticky session key, else the request alone. Scoped
+    by API key: two keys' equal session ids are two sessions."""
+    turn = record.session
+    if turn is not None:
+        named = getattr(turn, "session_id", None) or turn.session.id  # a one-shot turn names its own id
+        return f"{key_id}\0{named}"
+    if session:
+        return f"{key_id}\0{session}"
+    return f"\0{next(_ONE_OFF)}"
 
 
 def _natural_pool(choice: PoolChoice) -> str:

@@ -139,7 +139,7 @@ class Coordinator:
             session_key=session,
         )
         record.t_routed = gw.clock()
-        admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
+        admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice, session)  # may wait
         routing = self.with_slos(request, record, routing)
         resume = resumable and profile.stream and gw.config.routing.migration.enabled
         refused = refusal(body, api) if resume else None  # "api": Responses and Messages streams carry no ids

@@ -17,7 +17,7 @@ NO_TOKENS = (0, 0, 0)
 class Releasable(Protocol):
     """A held resource freed once when the request ends (gateway/admission.py's admission ticket)."""
 
-    def release(self) -> None: ...
+    def release(self, served: float = 0.0, output: float = 0.0) -> None: ...
 
 
 class EngineSplit(NamedTuple):
