@@ -404,7 +404,8 @@ class TrafficControl:
     # operators -----------------------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
         """What GET /admin/traffic shows: per pool and class, slots in use and waiting; per class, observed
-        time to first token against its target; the rate limiter's backend; counters since start."""
+        time to first token against its target; the rate limiter's backend; counters since start; how many sessions'
+        attained service is kept (session-fair ordering)."""
         now = self.clock()
         classes = self.config.traffic.classes
         pools = {}
@@ -419,14 +420,15 @@ class TrafficControl:
         for cls, cfg in classes.items():
             samples = sorted(self._ttft.get(cls, ()))
             p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)] if samples else None
-            ttft[cls] = {"priority": cfg.priority, "max_concurrency": cfg.max_concurrency,
+            ttft[cls] = {"priority": cfg.priority, "fairness": cfg.fairness, "max_concurrency": cfg.max_concurrency,
                          "queue_length": cfg.queue_length, "max_queue_wait_s": cfg.max_queue_wait_s,
                          "ttft_target_s": cfg.ttft_target_s, "ttft_p95_s": None if p95 is None else round(p95, 4),
                          "ttft_samples": len(samples),
                          "meets_target": None if p95 is None else p95 <= cfg.ttft_target_s}
         return {"open": self.keys.open, "keys": len(self.config.access.all_keys()),
                 "rate_limits": "redis" if self.rate.shared else "memory",
-                "classes": ttft, "pools": pools, "counters": dict(self.admission.counters)}
+                "classes": ttft, "pools": pools, "counters": dict(self.admission.counters),
+                "sessions_served": len(self.admission.ledger)}
 
 
 _CLASS_HEADER_RAW = CLASS_HEADER.encode("latin-1")

@@ -264,6 +264,10 @@ class FairQueue:
     def queued(self, cls: str) -> int:
         return self._per_class.get(cls, 0)
 
+    def classes(self) -> Iterator[str]:
+        """The classes with a request waiting."""
+        return iter(self._per_class)
+
     def ahead(self, priority: int) -> int:
         """Waiters that would be served before a newcomer of `priority` (all of its level and better ones)."""
         return bisect_left(self._turns, (priority + 1, -1, -1, ""))
@@ -337,6 +341,14 @@ class PoolGate:
         own limits and do not hold this one back)."""
         return not saturated and self.in_flight.get(cls, 0) < limit and not self.queue.queued(cls)
 
+    def _room_for_any(self, limits: Mapping[str, int]) -> bool:
+        in_flight = self.in_flight
+        for cls in self.queue.classes():
+            limit = limits.get(cls)
+            if limit is None or in_flight.get(cls, 0) < limit:
+                return True
+        return False
+
     def take_slot(self, cls: str) -> None:
         in_flight = self.in_flight
         in_flight[cls] = in_flight.get(cls, 0) + 1  # not `+= 1`: Counter's __missing__ is a Python call
@@ -354,8 +366,8 @@ class PoolGate:
         """Serve waiters in order (attained service read at `now`) while their classes have free slots; returns
         those admitted (slots taken). A class no longer configured (removed by a reload) has no limit, so its
         waiters are let through."""
-        if saturated:
-            return []
+        if saturated or not self._room_for_any(limits):
+            return []  # nobody can go: the queue is not even ordered (most pumps, while every class is full)
         admitted = []
         for waiter in self.queue.order(now):
             limit = limits.get(waiter.cls)
