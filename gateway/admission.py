@@ -16,7 +16,6 @@ per gateway process; rate limits are the part shared across processes).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 from collections import Counter, deque
@@ -443,20 +442,17 @@ def raw_header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-_ONE_OFF = itertools.count()
-
-
 def fairness_session(record: RequestRecord, key_id: str, session: str | None) -> str:
     """The session whose attained service a request counts in: the agent session the gateway derived
-    (gateway/sessions.py: headers, body, inferred turns), else the sticky session key, else the request alone. Scoped
-    by API key: two keys' equal session ids are two sessions."""
+    (gateway/sessions.py: headers, body, inferred turns; a first turn has its own id, which a later turn may
+    continue), else the sticky session key. Scoped by API key: two keys' equal session ids are two sessions. ""
+    for a request the gateway knows no session of: its own session, which no earlier service can be charged to, so
+    it is kept nowhere."""
     turn = record.session
     if turn is not None:
         named = getattr(turn, "session_id", None) or turn.session.id  # a one-shot turn names its own id
         return f"{key_id}\0{named}"
-    if session:
-        return f"{key_id}\0{session}"
-    return f"\0{next(_ONE_OFF)}"
+    return f"{key_id}\0{session}" if session else ""
 
 
 def _natural_pool(choice: PoolChoice) -> str:

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from gateway.admission import fairness_session
+from gateway.record import RequestRecord
 from policies.admission import (
     SERVICE_EXPIRY_S,
     SERVICE_HALF_LIFE_S,
@@ -169,3 +171,28 @@ def test_the_gate_admits_light_sessions_first_through_its_shared_ledger() -> Non
     gate.queue.push(_w("light", 5))
     admitted = gate.admit_waiting({"interactive": 1}, saturated=False, now=6.0)
     assert [w.session for w in admitted] == ["light"]
+
+
+def test_a_request_without_a_session_is_its_own_session() -> None:
+    ledger = ServiceLedger()
+    ledger.admitted("heavy", 100.0, 0.0)
+    queue = FairQueue(ledger)
+    heavy = [_w("heavy", t) for t in range(3)]
+    alone = [_w("", 10 + t) for t in range(2)]  # the gateway knows no session of these: nothing charged to them
+    for w in (*heavy, *alone):
+        queue.push(w)
+    assert queue.order(20.0) == [*alone, *heavy]
+    assert ledger.get("") is None
+
+
+def test_the_fairness_session_is_the_derived_session_scoped_by_key() -> None:
+    record = RequestRecord(api="chat", stream=False, t_arrival=0.0)
+    assert fairness_session(record, "alice", None) == ""  # no session known: its own, charged nowhere
+    assert fairness_session(record, "alice", "s1") == "alice\0s1"
+    assert fairness_session(record, "bob", "s1") != fairness_session(record, "alice", "s1")
+
+    class FirstTurn:
+        session_id = "first-turn-7"
+
+    record.session = FirstTurn()  # the session tracker's turn wins over the sticky key
+    assert fairness_session(record, "alice", "s1") == "alice\0first-turn-7"
