@@ -56,6 +56,9 @@ def _served_order(sim: SimProcess, fairness: str) -> tuple[list[str], int]:
         arrived = time.monotonic()
         for t in threads + lights:
             t.join(60)
+        traffic = httpx.get(gw.url + "/admin/traffic", timeout=5).json()  # open to loopback without an admin key
+        assert traffic["sessions_served"] == 5  # the heavy one and the four light ones, by their x-session-id
+        assert traffic["classes"]["interactive"]["fairness"] == fairness
     finally:
         gw.stop()
     upstream = 1 + sum(1 for at, _ in ended if at < arrived)  # those ended, and the one in flight
