@@ -27,8 +27,9 @@ from starlette.requests import Request
 from starlette.types import Receive
 
 from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
+from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
-from policies.admission import PoolGate, RetryLater, Waiter, retry_after_s
+from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
@@ -51,17 +52,23 @@ class Ticket:
     """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
     replica's LoadGuard; `__del__` is only the last line of defence)."""
 
-    __slots__ = ("_owner", "pool", "cls")
+    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge")
 
-    def __init__(self, owner: AdmissionControl, pool: str, cls: str) -> None:
+    def __init__(self, owner: AdmissionControl, pool: str, cls: str, session: str = "", charge: float = 0.0) -> None:
         self._owner: AdmissionControl | None = owner
         self.pool = pool
         self.cls = cls
+        self.queued_s = 0.0  # how long its request waited in the queue for it (x-m3gate-queue-ms)
+        self.session = session  # whose attained service its request counts in ("": none tracked)
+        self.charge = charge
 
-    def release(self) -> None:
+    def release(self, served: float = 0.0, output: float = 0.0) -> None:
+        """`served`: tokens its request had prefilled (uncached) and decoded, `output` of them decoded."""
         owner, self._owner = self._owner, None
         if owner is not None:
             owner.release(self.pool, self.cls)
+            if self.session:
+                owner.ledger.ended(self.session, self.charge, served, output, owner.clock())
 
     def __del__(self) -> None:
         self.release()
@@ -74,6 +81,7 @@ class AdmissionControl:
         self.clock = clock
         self.saturated = saturated
         self.gates: dict[str, PoolGate] = {}
+        self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
@@ -102,10 +110,12 @@ class AdmissionControl:
                         status=503, type="server_error", code="shutting_down", retry_after_s=1))
 
     # request path --------------------------------------------------------------------------------------------
-    async def admit(self, receive: Receive, pools: Sequence[str], cls: str, priority: int, fairness_key: str
-                    ) -> tuple[str, Ticket]:
+    async def admit(self, receive: Receive, pools: Sequence[str], cls: str, priority: int, fairness_key: str,
+                    session: str = "", charge: float = 0.0) -> tuple[str, Ticket]:
         """A slot in `pools[0]`, or in a later pool with headroom (spill), or after waiting in `pools[0]`'s queue.
-        Raises RetryLater (429 queue full, 503 waited too long / no queue) or ClientGone."""
+        `session`: whose attained service the request is charged to (`charge` while it runs) and, with the class's
+        `fairness: session`, ordered by. Raises RetryLater (429 queue full, 503 waited too long / no queue) or
+        ClientGone."""
         cfg = self.traffic.classes.get(cls)
         if cfg is None:  # a reload removed the class while this request was being classified
             raise RetryLater(f"Traffic class '{cls}' was just removed from the configuration; retry the request.",
@@ -115,24 +125,29 @@ class AdmissionControl:
         if len(gate.queue):
             self._pump(home)  # whoever is already waiting goes first
         if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
-            return home, self._grant(gate, home, cls)
+            return home, self._grant(gate, home, cls, session, charge)
         if cfg.spill_upward:
             for name in pools[1:]:
                 other = self._gate(name)
                 if not len(other.queue) and other.has_room(cls, cfg.max_concurrency, self.saturated(name)):
                     self.counters["spilled"] += 1
-                    return name, self._grant(other, name, cls)
+                    return name, self._grant(other, name, cls, session, charge)
         if gate.queue.queued(cls) >= cfg.queue_length:
             self.counters["rejected_queue_full"] += 1
             raise self._refusal(home, gate, cfg, cls, priority, "full" if cfg.queue_length else "no_queue")
-        waiter = Waiter(cls, fairness_key, priority, self.clock(), asyncio.get_running_loop().create_future())
+        waiter = Waiter(cls, fairness_key, priority, self.clock(), asyncio.get_running_loop().create_future(),
+                        session=session, charge=charge, by_session=cfg.fairness == "session")
         gate.queue.push(waiter)
         self.counters["queued"] += 1
         self._wake.set()
         if await self._wait(gate, waiter, receive, cfg.max_queue_wait_s):
-            return home, waiter.handle.result()
+            ticket = waiter.handle.result()
+            ticket.queued_s = self.clock() - waiter.arrival
+            return home, ticket
         self.counters["rejected_wait"] += 1
-        raise self._refusal(home, gate, cfg, cls, priority, "waited")
+        refusal = self._refusal(home, gate, cfg, cls, priority, "waited")
+        refusal.queued_s = self.clock() - waiter.arrival
+        raise refusal
 
     def release(self, pool: str, cls: str) -> None:
         gate = self.gates.get(pool)
@@ -146,21 +161,26 @@ class AdmissionControl:
     def _gate(self, pool: str) -> PoolGate:
         gate = self.gates.get(pool)
         if gate is None:
-            gate = self.gates[pool] = PoolGate()
+            gate = self.gates[pool] = PoolGate.with_ledger(self.ledger)
         return gate
 
-    def _grant(self, gate: PoolGate, pool: str, cls: str) -> Ticket:
+    def _grant(self, gate: PoolGate, pool: str, cls: str, session: str, charge: float) -> Ticket:
         gate.take_slot(cls)
         self.counters["admitted"] += 1
-        return Ticket(self, pool, cls)
+        if session:
+            self.ledger.admitted(session, charge, self.clock())
+        return Ticket(self, pool, cls, session, charge)
 
     def _pump(self, pool: str) -> None:
         """Admit waiters of `pool` in order while slots are free; each gets its ticket through its future."""
         gate = self.gates.get(pool)
         if gate is None or not len(gate.queue):
             return
-        for waiter in gate.admit_waiting(self._limits, self.saturated(pool)):
-            ticket = Ticket(self, pool, waiter.cls)
+        now = self.clock()
+        for waiter in gate.admit_waiting(self._limits, self.saturated(pool), now):
+            if waiter.session:
+                self.ledger.admitted(waiter.session, waiter.charge, now)
+            ticket = Ticket(self, pool, waiter.cls, waiter.session, waiter.charge)
             if waiter.handle.done():  # its handler is already gone: give the slot straight back
                 ticket.release()
             else:
@@ -293,9 +313,10 @@ class TrafficControl:
         check_input_limits(body, api, self.config.limits)
 
     async def admit(self, request: Request, record: RequestRecord, client: Client, profile: RequestProfile,
-                    choice: PoolChoice) -> Admitted:
+                    choice: PoolChoice, session: str | None = None) -> Admitted:
         """Key's pools (403) → class → rate limits (429) → a slot (queue, spill, 429, 503); sets the record's
-        traffic_class and t_admitted, and keeps the slot on the record until `finished`."""
+        traffic_class and t_admitted, and keeps the slot on the record until `finished`. `session`: the sticky
+        session key, when agent sessions are not tracked (`record.session` names it when they are)."""
         traffic = self.config.traffic
         key = client.key
         if key is not None:
@@ -308,12 +329,18 @@ class TrafficControl:
             await self._rate_limit(client, profile, record)
         names = [p.name for p in choice.candidates]
         try:
-            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id)
+            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id,
+                                                      fairness_session(record, client.key_id, session),
+                                                      float(profile.prompt_tokens))
+        except RetryLater as exc:
+            record.queue_s = exc.queued_s
+            raise
         except ClientGone:
             record.client_disconnected = True
             raise RequestRejected("The client closed the connection while its request waited for capacity.",
                                   status=499, code="client_closed_request") from None
         record.admission_ticket = ticket
+        record.queue_s = ticket.queued_s
         record.t_admitted = self.clock()
         if pool != choice.pool.name:
             at = names.index(pool)
@@ -351,8 +378,11 @@ class TrafficControl:
             status=429, type=dim, code="rate_limit_exceeded", retry_after_s=wait)
 
     def response_headers(self, record: RequestRecord) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers, on every response once the key's quota was checked."""
-        return record.ratelimit_headers or {}
+        """The gateway's headers on every answer, served or refused: `x-m3gate-queue-ms` (time in the admission
+        queue) and OpenAI's x-ratelimit-* once the key's quota was checked."""
+        limits = record.ratelimit_headers
+        queued = {QUEUE_MS_HEADER: queue_ms(record.queue_s)}
+        return {**limits, **queued} if limits else queued
 
     def refusal_headers(self, record: RequestRecord, exc: RequestRejected) -> dict[str, str]:
         headers = dict(self.response_headers(record))
@@ -364,7 +394,8 @@ class TrafficControl:
         """The upstream request has ended (or never started): free its slot, note its first-token latency."""
         ticket, record.admission_ticket = record.admission_ticket, None
         if ticket is not None:
-            ticket.release()
+            prompt, completion, cached = record.tokens()
+            ticket.release(max(0, prompt - cached) + completion, completion)
             if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:
                 samples = self._ttft.setdefault(record.traffic_class, deque(maxlen=_TTFT_SAMPLES))
                 samples.append(record.t_first_byte - record.t_arrival)
@@ -372,7 +403,8 @@ class TrafficControl:
     # operators -----------------------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
         """What GET /admin/traffic shows: per pool and class, slots in use and waiting; per class, observed
-        time to first token against its target; the rate limiter's backend; counters since start."""
+        time to first token against its target; the rate limiter's backend; counters since start; how many sessions'
+        attained service is kept (session-fair ordering)."""
         now = self.clock()
         classes = self.config.traffic.classes
         pools = {}
@@ -387,14 +419,15 @@ class TrafficControl:
         for cls, cfg in classes.items():
             samples = sorted(self._ttft.get(cls, ()))
             p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)] if samples else None
-            ttft[cls] = {"priority": cfg.priority, "max_concurrency": cfg.max_concurrency,
+            ttft[cls] = {"priority": cfg.priority, "fairness": cfg.fairness, "max_concurrency": cfg.max_concurrency,
                          "queue_length": cfg.queue_length, "max_queue_wait_s": cfg.max_queue_wait_s,
                          "ttft_target_s": cfg.ttft_target_s, "ttft_p95_s": None if p95 is None else round(p95, 4),
                          "ttft_samples": len(samples),
                          "meets_target": None if p95 is None else p95 <= cfg.ttft_target_s}
         return {"open": self.keys.open, "keys": len(self.config.access.all_keys()),
                 "rate_limits": "redis" if self.rate.shared else "memory",
-                "classes": ttft, "pools": pools, "counters": dict(self.admission.counters)}
+                "classes": ttft, "pools": pools, "counters": dict(self.admission.counters),
+                "sessions_served": len(self.admission.ledger)}
 
 
 _CLASS_HEADER_RAW = CLASS_HEADER.encode("latin-1")
@@ -407,6 +440,19 @@ def raw_header(raw: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def fairness_session(record: RequestRecord, key_id: str, session: str | None) -> str:
+    """The session whose attained service a request counts in: the agent session the gateway derived
+    (gateway/sessions.py: headers, body, inferred turns; a first turn has its own id, which a later turn may
+    continue), else the sticky session key. Scoped by API key: two keys' equal session ids are two sessions. ""
+    for a request the gateway knows no session of: its own session, which no earlier service can be charged to, so
+    it is kept nowhere."""
+    turn = record.session
+    if turn is not None:
+        named = getattr(turn, "session_id", None) or turn.session.id  # a one-shot turn names its own id
+        return f"{key_id}\0{named}"
+    return f"{key_id}\0{session}" if session else ""
 
 
 def _natural_pool(choice: PoolChoice) -> str:

@@ -100,7 +100,9 @@ class Coordinator:
         except UpstreamFailure as exc:
             record.status, record.error = exc.status, exc.code
             await self.finished(record)
-            headers = {"retry-after": "1"} if exc.status == 503 else None
+            headers = gw.traffic.response_headers(record)
+            if exc.status == 503:
+                headers["retry-after"] = "1"
             return exc.response(headers)
         except BaseException as exc:  # cancelled, or a gateway bug (→ 500): slot, metrics and span must not leak
             record.status = 499 if isinstance(exc, asyncio.CancelledError) else 500
@@ -138,7 +140,7 @@ class Coordinator:
             session_key=session,
         )
         record.t_routed = gw.clock()
-        admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice)  # may wait
+        admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice, session)  # may wait
         routing = self.with_slos(request, record, routing)
         resume = resumable and profile.stream and gw.config.routing.migration.enabled
         refused = refusal(body, api) if resume else None  # "api": Responses and Messages streams carry no ids

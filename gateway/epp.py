@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message
 
 from gateway import epp_wire as wire
 from gateway.coordinator import Coordinator
-from gateway.errors import UpstreamFailure, error_body
+from gateway.errors import QUEUE_MS_HEADER, UpstreamFailure, error_body, queue_ms, refusal_headers
 from gateway.record import RequestRecord
 from gateway.relay import SseFilter
 from gateway.routes import GENERATE_PATHS
@@ -242,8 +242,10 @@ class Exchange:
         except UpstreamFailure as exc:
             record.status, record.error = exc.status, exc.code
             type_ = "timeout_error" if exc.status == 504 else "upstream_error"
-            await self.immediate(exc.status, error_body(exc.message, type_, None, exc.code),
-                                 {"retry-after": "1"} if exc.status == 503 else {})
+            headers = self.picker.gw.traffic.response_headers(record)
+            if exc.status == 503:
+                headers["retry-after"] = "1"
+            await self.immediate(exc.status, error_body(exc.message, type_, None, exc.code), headers, exc.code)
             return
         except Exception:  # a gateway bug: logged, answered and counted as `serve` answers its own (gateway/routes.py)
             log.exception("unexpected error picking a replica for POST %s", record.path)
@@ -324,13 +326,15 @@ class Exchange:
         headers = self.picker.gw.traffic.refusal_headers(record, exc) if record is not None else {}
         if record is not None:
             record.status, record.error = exc.status, exc.code or exc.type
-        await self.immediate(exc.status, error_body(exc.message, exc.type, exc.param, exc.code), headers)
+        await self.immediate(exc.status, error_body(exc.message, exc.type, exc.param, exc.code), headers, exc.code)
 
-    async def immediate(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+    async def immediate(self, status: int, body: bytes, headers: dict[str, str], code: str | None = None) -> None:
+        """The gateway's own answer in OpenAI's shape; `code`: the body's, repeated in x-m3gate-refusal."""
         self.answered = True
         if status == 499 or self.gone.is_set():
             return  # the client is gone: nobody to answer
-        await self.context.write(wire.immediate(status, body, {"content-type": "application/json", **headers}))
+        await self.context.write(wire.immediate(status, body, {"content-type": "application/json",
+                                                               **refusal_headers(code, headers)}))
 
     # the response (full mode) ----------------------------------------------------------------------------------
     async def on_response_headers(self, message: ext.ProcessingRequest) -> None:
@@ -347,7 +351,8 @@ class Exchange:
                 await self._served_by(served[0])
             if not pairs.get(b"content-type", b"").startswith(b"text/event-stream"):
                 self.filter = None
-            extra = {"x-m3gate-pool": record.pool, "x-m3gate-endpoint": record.replica}
+            extra = {"x-m3gate-pool": record.pool, "x-m3gate-endpoint": record.replica,
+                     QUEUE_MS_HEADER: queue_ms(record.queue_s)}
         await self.context.write(wire.response_headers_reply(extra))
 
     async def _served_by(self, endpoint: str) -> None:

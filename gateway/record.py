@@ -17,7 +17,7 @@ NO_TOKENS = (0, 0, 0)
 class Releasable(Protocol):
     """A held resource freed once when the request ends (gateway/admission.py's admission ticket)."""
 
-    def release(self) -> None: ...
+    def release(self, served: float = 0.0, output: float = 0.0) -> None: ...
 
 
 class EngineSplit(NamedTuple):
@@ -65,6 +65,7 @@ class RequestRecord:
     t_classified: float = 0.0
     t_routed: float = 0.0  # pool and replica chosen
     t_admitted: float = 0.0  # left the gateway's admission queue (== t_routed when nothing waited)
+    queue_s: float = 0.0  # time spent waiting in the admission queue (0: admitted without waiting); x-m3gate-queue-ms
     t_sent: float = 0.0
     t_headers: float = 0.0  # the replica's response headers arrived (a stream's headers precede its first token)
     t_first_byte: float = 0.0  # first body bytes (streams: the first token's event)

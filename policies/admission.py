@@ -9,6 +9,9 @@ the gateway instead keeps the order under our control:
 - by class priority (lower first), so interactive requests overtake queued repository jobs;
 - within a priority level, round-robin between API keys (start-time fair queueing: each key's n-th waiting
   request is tagged n rounds after the current one), so one key's burst cannot starve the others;
+- within a key's turn, the request of the session with the least attained service (tokens it had prefilled uncached
+  and decoded lately, decayed: `ServiceLedger`), for classes with `fairness: session`: one session's burst cannot
+  starve the key's other sessions, and a short session is not stuck behind a long one;
 - then by arrival.
 
 Refusals carry a Retry-After computed from how fast the pool has been freeing slots (`DrainRate`).
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +39,10 @@ class RetryLater(RequestRejected):
     the gateway answers it with a Retry-After header."""
 
     def __init__(self, message: str, *, status: int, code: str, retry_after_s: int, type: str = "rate_limit_error",
-                 param: str | None = None) -> None:  # noqa: A002 - the OpenAI field is called `type`
+                 param: str | None = None, queued_s: float = 0.0) -> None:  # noqa: A002 - OpenAI's field name
         super().__init__(message, status=status, type=type, param=param, code=code)
         self.retry_after_s = retry_after_s
+        self.queued_s = queued_s  # how long it waited in the queue before this refusal (x-m3gate-queue-ms)
 
 
 @dataclass(eq=False, slots=True)
@@ -51,69 +55,222 @@ class Waiter:
     arrival: float
     handle: Any = None  # the gateway's wake-up handle (an asyncio future); opaque here
     seq: int = -1
-    tag: int = 0
+    tag: int = 0  # the key's turn it was last ordered into (`FairQueue.order`)
+    session: str = ""  # its session (a request without one is its own): whose attained service it is charged to
+    charge: float = 0.0  # the service charged to its session while it runs (its prompt estimate)
+    by_session: bool = False  # its class orders by the session's attained service (fairness: session)
+
+
+SERVICE_HALF_LIFE_S = 60.0  # a session's attained service halves every minute without new service
+SERVICE_EXPIRY_S = 10 * SERVICE_HALF_LIFE_S  # a record idle this long (under 0.1% left, nothing running) is dropped
+MAX_SERVICE_RECORDS = 65_536  # hard cap: the least recently served records go first
+
+
+@dataclass(slots=True)
+class Service:
+    """One session's attained service: tokens prefilled (uncached) and decoded, decayed to `at`; `running`: the
+    charges of its requests admitted and not yet ended (not decayed: they are being served now). The decayed
+    output tokens and answer count are what a per-session output-length estimate can read."""
+
+    tokens: float = 0.0
+    output: float = 0.0
+    answers: float = 0.0
+    at: float = 0.0
+    running: float = 0.0
+    in_flight: int = 0
+
+    def decay(self, now: float) -> None:
+        if now > self.at:
+            factor = 0.5 ** ((now - self.at) / SERVICE_HALF_LIFE_S)
+            self.tokens *= factor
+            self.output *= factor
+            self.answers *= factor
+            self.at = now
+
+
+class ServiceLedger:
+    """Attained service per session, over a recent window (exponential decay), in bounded memory: records expire
+    SERVICE_EXPIRY_S after their last service and at most `max_records` are kept (least recently served evicted)."""
+
+    __slots__ = ("_records", "max_records")
+
+    def __init__(self, max_records: int = MAX_SERVICE_RECORDS) -> None:
+        self._records: OrderedDict[str, Service] = OrderedDict()  # least recently served first
+        self.max_records = max_records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, session: str) -> Service | None:
+        return self._records.get(session)
+
+    def attained(self, session: str, now: float) -> float:
+        """Decayed service plus what its running requests were charged; 0 for a session never served."""
+        rec = self._records.get(session)
+        if rec is None:
+            return 0.0
+        return rec.running + (rec.tokens * 0.5 ** ((now - rec.at) / SERVICE_HALF_LIFE_S) if now > rec.at else
+                              rec.tokens)
+
+    def admitted(self, session: str, charge: float, now: float) -> None:
+        """A request of `session` goes upstream: its `charge` counts until it ends."""
+        rec = self._touch(session, now)
+        rec.running += charge
+        rec.in_flight += 1
+
+    def ended(self, session: str, charge: float, served: float, output: float, now: float) -> None:
+        """It ended: its charge is replaced by the service it got (`served` tokens, `output` of them decoded;
+        0 when it was never answered)."""
+        rec = self._touch(session, now)
+        if rec.in_flight:
+            rec.in_flight -= 1
+            rec.running = max(0.0, rec.running - charge) if rec.in_flight else 0.0
+        rec.tokens += served
+        if served:
+            rec.output += output
+            rec.answers += 1
+
+    def _touch(self, session: str, now: float) -> Service:
+        records = self._records
+        rec = records.get(session)
+        if rec is None:
+            self.expire(now)
+            rec = records[session] = Service(at=now)
+        else:
+            records.move_to_end(session)
+            rec.decay(now)
+        return rec
+
+    def expire(self, now: float) -> None:
+        """Drop records idle past SERVICE_EXPIRY_S with nothing running, oldest first, and any over the cap."""
+        records = self._records
+        while len(records) >= self.max_records:
+            records.popitem(last=False)
+        for _ in range(8):  # a few per call: amortised, never a scan of every record
+            if not records:
+                return
+            session, rec = next(iter(records.items()))
+            if now - rec.at < SERVICE_EXPIRY_S:
+                return
+            if rec.in_flight:  # still running: kept (moved back), decayed
+                rec.decay(now)
+                records.move_to_end(session)
+            else:
+                del records[session]
 
 
 class FairQueue:
-    """Waiters ordered by (priority, fair-queueing tag, arrival). Insertion and removal are O(log n + n) on a
-    sorted list, which for queues of hundreds costs microseconds and keeps iteration in serving order trivial."""
+    """Waiters ordered by priority level, then round-robin between API keys (start-time fair queueing: each key's
+    n-th waiting request holds a turn n rounds after the current one), then, within a key's turn, its waiter of the
+    session with the least attained service (classes with `fairness: session`; `ServiceLedger`), then arrival.
 
-    __slots__ = ("_order", "_by_seq", "_vtime", "_last_tag", "_per_key", "_per_class", "_next_seq")
+    The turns are fixed when requests arrive; which of a key's waiters takes its next turn is decided when the
+    queue is read (`order`), since attained service changes while they wait. A lone session (or `fairness: key`)
+    therefore gets exactly the order by arrival within its key."""
 
-    def __init__(self) -> None:
-        self._order: list[tuple[int, int, int]] = []
-        self._by_seq: dict[int, Waiter] = {}
+    __slots__ = ("_turns", "_waiting", "_key_turns", "_vtime", "_per_class", "_next_seq", "ledger", "_now")
+
+    def __init__(self, ledger: ServiceLedger | None = None) -> None:
+        self._turns: list[tuple[int, int, int, str]] = []  # (level, tag, seq, key) sorted: the turns' order
+        self._waiting: dict[tuple[int, str], list[Waiter]] = {}  # per (level, key): its waiters by arrival
+        self._key_turns: dict[tuple[int, str], list[tuple[int, int]]] = {}  # per (level, key): (tag, seq) ascending
         self._vtime: dict[int, int] = {}  # per priority level: the tag last served
-        self._last_tag: dict[tuple[int, str], int] = {}  # per (level, key): its latest waiter's tag
-        self._per_key: Counter[tuple[int, str]] = Counter()
         self._per_class: Counter[str] = Counter()
         self._next_seq = 0
+        self.ledger = ledger
+        self._now = 0.0  # the latest time passed in (`order` with no time reads attained service then)
 
     def push(self, waiter: Waiter) -> None:
-        level, key = waiter.priority, (waiter.priority, waiter.fairness_key)
+        level, key = waiter.priority, waiter.fairness_key
+        lk = (level, key)
         waiter.seq, self._next_seq = self._next_seq, self._next_seq + 1
-        waiter.tag = max(self._vtime.get(level, 0), self._last_tag.get(key, 0)) + 1
-        self._last_tag[key] = waiter.tag
-        self._per_key[key] += 1
+        tags = self._key_turns.setdefault(lk, [])
+        waiter.tag = max(self._vtime.get(level, 0), tags[-1][0] if tags else 0) + 1
+        tags.append((waiter.tag, waiter.seq))  # a turn ties with other keys' by when it was taken
+        self._waiting.setdefault(lk, []).append(waiter)
         self._per_class[waiter.cls] += 1
-        insort(self._order, (level, waiter.tag, waiter.seq))
-        self._by_seq[waiter.seq] = waiter
+        insort(self._turns, (level, waiter.tag, waiter.seq, key))
+        self._now = max(self._now, waiter.arrival)
 
     def remove(self, waiter: Waiter) -> bool:
-        """Take `waiter` out without serving it (it gave up or its client left); False if it was not queued."""
-        entry = (waiter.priority, waiter.tag, waiter.seq)
-        i = bisect_left(self._order, entry)
-        if i == len(self._order) or self._order[i] != entry:
+        """Take `waiter` out without serving it (it gave up or its client left); False if it was not queued. Its
+        key gives up its last turn: the key's other waiters keep their places."""
+        lk = (waiter.priority, waiter.fairness_key)
+        if not self._take(waiter):
             return False
-        del self._order[i]
-        del self._by_seq[waiter.seq]
-        key = (waiter.priority, waiter.fairness_key)
-        self._per_key[key] -= 1
-        if not self._per_key[key]:
-            del self._per_key[key], self._last_tag[key]
+        self._drop_turn(lk, len(self._key_turns[lk]) - 1)
+        return True
+
+    def serve(self, waiter: Waiter) -> None:
+        """Take `waiter` out because it is admitted, in the turn `order` gave it: the level's round advances."""
+        lk = (waiter.priority, waiter.fairness_key)
+        if not self._take(waiter):
+            return
+        tags = self._key_turns[lk]
+        i = bisect_left(tags, (waiter.tag, -1))
+        i = i if i < len(tags) and tags[i][0] == waiter.tag else 0  # not ordered since it came: its key's first turn
+        tag = tags[i][0]
+        self._drop_turn(lk, i)
+        self._vtime[waiter.priority] = max(self._vtime.get(waiter.priority, 0), tag)
+
+    def _take(self, waiter: Waiter) -> bool:
+        waiters = self._waiting.get((waiter.priority, waiter.fairness_key))
+        if not waiters or waiter not in waiters:
+            return False
+        waiters.remove(waiter)
         self._per_class[waiter.cls] -= 1
         if not self._per_class[waiter.cls]:
             del self._per_class[waiter.cls]
         return True
 
-    def serve(self, waiter: Waiter) -> None:
-        """Take `waiter` out because it is admitted: the level's round advances to its tag."""
-        if self.remove(waiter):
-            self._vtime[waiter.priority] = max(self._vtime.get(waiter.priority, 0), waiter.tag)
+    def _drop_turn(self, lk: tuple[int, str], i: int) -> None:
+        tags = self._key_turns[lk]
+        tag, seq = tags.pop(i)
+        turns = self._turns
+        del turns[bisect_left(turns, (lk[0], tag, seq, lk[1]))]
+        if not tags:
+            del self._key_turns[lk], self._waiting[lk]
+
+    def order(self, now: float | None = None) -> list[Waiter]:
+        """Every waiter in serving order (a copy: the caller may serve or remove while iterating); each one's
+        `tag` is set to the turn it takes. `now`: when attained service is read (default: the latest time seen)."""
+        if now is not None:
+            self._now = max(self._now, now)
+        ledger, at = self.ledger, self._now
+        picks: dict[tuple[int, str], Iterator[Waiter]] = {}
+        for lk, waiters in self._waiting.items():
+            if ledger is not None and len(waiters) > 1 and any(w.by_session for w in waiters):
+                service: dict[str, float] = {}
+                for w in waiters:
+                    if w.by_session and w.session not in service:
+                        service[w.session] = ledger.attained(w.session, at)
+                ranked = sorted(waiters, key=lambda w: (service.get(w.session, 0.0) if w.by_session else 0.0, w.seq))
+                picks[lk] = iter(ranked)
+            else:
+                picks[lk] = iter(waiters)
+        out = []
+        for level, tag, _, key in self._turns:
+            waiter = next(picks[(level, key)])
+            waiter.tag = tag
+            out.append(waiter)
+        return out
 
     def __iter__(self) -> Iterator[Waiter]:
-        """In serving order (a copy: the caller may serve or remove while iterating)."""
-        return iter([self._by_seq[seq] for _, _, seq in self._order])
+        return iter(self.order())
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._turns)
 
     def queued(self, cls: str) -> int:
         return self._per_class.get(cls, 0)
 
+    def classes(self) -> Iterator[str]:
+        """The classes with a request waiting."""
+        return iter(self._per_class)
+
     def ahead(self, priority: int) -> int:
         """Waiters that would be served before a newcomer of `priority` (all of its level and better ones)."""
-        return bisect_left(self._order, (priority + 1, -1, -1))
+        return bisect_left(self._turns, (priority + 1, -1, -1, ""))
 
 
 class DrainRate:
@@ -173,11 +330,24 @@ class PoolGate:
     queue: FairQueue = field(default_factory=FairQueue)
     drain: DrainRate = field(default_factory=DrainRate)
 
+    @classmethod
+    def with_ledger(cls, ledger: ServiceLedger) -> PoolGate:
+        """A gate whose queue orders sessions by the attained service `ledger` keeps (shared by all pools)."""
+        return cls(queue=FairQueue(ledger))
+
     def has_room(self, cls: str, limit: int, saturated: bool) -> bool:
         """A newcomer of `cls` may go now: the pool is not saturated, its class has a free slot, and no request of
         its class is already waiting (no overtaking within a class; other classes' waiters are blocked by their
         own limits and do not hold this one back)."""
         return not saturated and self.in_flight.get(cls, 0) < limit and not self.queue.queued(cls)
+
+    def _room_for_any(self, limits: Mapping[str, int]) -> bool:
+        in_flight = self.in_flight
+        for cls in self.queue.classes():
+            limit = limits.get(cls)
+            if limit is None or in_flight.get(cls, 0) < limit:
+                return True
+        return False
 
     def take_slot(self, cls: str) -> None:
         in_flight = self.in_flight
@@ -192,13 +362,14 @@ class PoolGate:
             in_flight.pop(cls, None)
         self.drain.record(now)
 
-    def admit_waiting(self, limits: Mapping[str, int], saturated: bool) -> list[Waiter]:
-        """Serve waiters in order while their classes have free slots; returns those admitted (slots taken).
-        A class no longer configured (removed by a reload) has no limit, so its waiters are let through."""
-        if saturated:
-            return []
+    def admit_waiting(self, limits: Mapping[str, int], saturated: bool, now: float | None = None) -> list[Waiter]:
+        """Serve waiters in order (attained service read at `now`) while their classes have free slots; returns
+        those admitted (slots taken). A class no longer configured (removed by a reload) has no limit, so its
+        waiters are let through."""
+        if saturated or not self._room_for_any(limits):
+            return []  # nobody can go: the queue is not even ordered (most pumps, while every class is full)
         admitted = []
-        for waiter in self.queue:
+        for waiter in self.queue.order(now):
             limit = limits.get(waiter.cls)
             if limit is None or self.in_flight[waiter.cls] < limit:
                 self.queue.serve(waiter)

@@ -513,6 +513,13 @@ class TrafficClassConfig(_Strict):
         default=True, description="While its pool is saturated, use a larger pool that has headroom (only where "
         "the pools' own spill_upward allows it).",
     )
+    fairness: Literal["session", "key"] = Field(
+        default="session", description="Order of its waiting requests within a priority level, after round-robin "
+        "between API keys: `session` serves first the request whose agent session (x-session-id, "
+        "x-claude-code-session-id, ..., or inferred turns; a request without one is its own) had the least service "
+        "lately (tokens prefilled uncached and decoded, decaying by half every minute), then by arrival; `key`: by "
+        "arrival within a key.",
+    )
     sheddable: bool = Field(
         default=False, description="With SLO-aware routing: when no replica of any pool it may use is predicted to "
         "meet its TTFT objective, answer 429 with Retry-After at once rather than serve it late.",
