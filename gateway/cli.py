@@ -199,6 +199,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(port=args.port, traffic=not args.no_traffic)
 
 
+def _add_contract(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("contract", help="write the operating contract from the config; check it against Prometheus",
+                       description="Per traffic class: context ceiling, warm capacity, precision and kernel path, "
+                       "latency targets (traffic.classes.*.targets). With --prometheus: PASS/FAIL per class and "
+                       "percentile, the dominant stage of each failure (exit 1 on a failure). With --rules: the "
+                       "SLO alert rules (multi-window, multi-burn-rate) for Prometheus.")
+    p.add_argument("path", help="pool config YAML")
+    p.add_argument("--out", help="folder for contract.md, contract.html (with plots) and contract.json; "
+                   "without it the Markdown goes to stdout")
+    p.add_argument("--prometheus", metavar="URL", help="check against this Prometheus (it scrapes the gateways)")
+    p.add_argument("--window", default="1h", help="PromQL range for the check (default 1h)")
+    p.add_argument("--rules", metavar="FILE", help="write the SLO recording and alerting rules (YAML) here")
+    p.set_defaults(func=_cmd_contract)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="replicas per pool (and prefill/decode split) the targets need at a workload",
+                       description="Sizes every pool and role with the capacity model (queueing included) at a "
+                       "loadtests trace's demand (or the one a Prometheus measured): replicas at its mean and at its busiest window, the bottleneck, the "
+                       "predicted TTFT/TPOT p95 per class against traffic.classes.*.targets.")
+    p.add_argument("path", help="pool config YAML")
+    p.add_argument("--workload", metavar="FILE", help="a trace (JSONL, m3gate or Mooncake format) or a workload "
+                   "YAML that replays one")
+    p.add_argument("--prometheus", metavar="URL", help="instead: the demand a Prometheus measured (it scrapes the "
+                   "gateways)")
+    p.add_argument("--window", default="1h", help="with --prometheus: the PromQL range (default 1h)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.add_argument("--peak-window-s", type=float, default=60.0, help="the peak is the busiest window this long")
+    p.add_argument("--prefill-step-ms", type=float, default=20.0, help="fixed cost of a prefill step")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=60.0, help="prefill cost per 1K uncached tokens")
+    p.add_argument("--decode-step-ms", type=float, default=20.0, help="fixed cost of a decode step")
+    p.add_argument("--decode-ms-per-seq", type=float, default=0.2, help="decode step cost per sequence")
+    p.add_argument("--decode-ms-per-seq-1k", type=float, default=0.02,
+                   help="decode step cost per sequence per 1K tokens of context")
+    p.add_argument("--costs", metavar="FILE", help="the engine costs a running gateway learnt: a saved GET "
+                   "/admin/capacity answer (`curl .../admin/capacity > costs.json`); used per pool and role instead "
+                   "of the --*-ms options where it has them")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3gate", description="Gateway in front of vLLM pools serving MiniMax-M3.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,41 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["shell", "json"], default="shell")
     p.set_defaults(func=_cmd_pools_render)
 
-    p = sub.add_parser("contract", help="write the operating contract from the config; check it against Prometheus",
-                       description="Per traffic class: context ceiling, warm capacity, precision and kernel path, "
-                       "latency targets (traffic.classes.*.targets). With --prometheus: PASS/FAIL per class and "
-                       "percentile, the dominant stage of each failure (exit 1 on a failure). With --rules: the "
-                       "SLO alert rules (multi-window, multi-burn-rate) for Prometheus.")
-    p.add_argument("path", help="pool config YAML")
-    p.add_argument("--out", help="folder for contract.md, contract.html (with plots) and contract.json; "
-                   "without it the Markdown goes to stdout")
-    p.add_argument("--prometheus", metavar="URL", help="check against this Prometheus (it scrapes the gateways)")
-    p.add_argument("--window", default="1h", help="PromQL range for the check (default 1h)")
-    p.add_argument("--rules", metavar="FILE", help="write the SLO recording and alerting rules (YAML) here")
-    p.set_defaults(func=_cmd_contract)
-
-    p = sub.add_parser("plan", help="replicas per pool (and prefill/decode split) the targets need at a workload",
-                       description="Sizes every pool and role with the capacity model (queueing included) at a "
-                       "loadtests trace's demand (or the one a Prometheus measured): replicas at its mean and at its busiest window, the bottleneck, the "
-                       "predicted TTFT/TPOT p95 per class against traffic.classes.*.targets.")
-    p.add_argument("path", help="pool config YAML")
-    p.add_argument("--workload", metavar="FILE", help="a trace (JSONL, m3gate or Mooncake format) or a workload "
-                   "YAML that replays one")
-    p.add_argument("--prometheus", metavar="URL", help="instead: the demand a Prometheus measured (it scrapes the "
-                   "gateways)")
-    p.add_argument("--window", default="1h", help="with --prometheus: the PromQL range (default 1h)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    p.add_argument("--peak-window-s", type=float, default=60.0, help="the peak is the busiest window this long")
-    p.add_argument("--prefill-step-ms", type=float, default=20.0, help="fixed cost of a prefill step")
-    p.add_argument("--prefill-ms-per-1k", type=float, default=60.0, help="prefill cost per 1K uncached tokens")
-    p.add_argument("--decode-step-ms", type=float, default=20.0, help="fixed cost of a decode step")
-    p.add_argument("--decode-ms-per-seq", type=float, default=0.2, help="decode step cost per sequence")
-    p.add_argument("--decode-ms-per-seq-1k", type=float, default=0.02,
-                   help="decode step cost per sequence per 1K tokens of context")
-    p.add_argument("--costs", metavar="FILE", help="the engine costs a running gateway learnt: a saved GET "
-                   "/admin/capacity answer (`curl .../admin/capacity > costs.json`); used per pool and role instead "
-                   "of the --*-ms options where it has them")
-    p.set_defaults(func=_cmd_plan)
+    _add_contract(sub)
+    _add_plan(sub)
 
     try:
         _add_sim(sub)

@@ -31,7 +31,7 @@ from gateway.migration import Resumer, StallWatch
 from gateway.record import RequestRecord
 from gateway.relay import StreamRelay, upstream_payload
 from gateway.runtime import Gateway
-from gateway.upstream import Attempt, Failed, Streamed, Target, Upstream
+from gateway.upstream import Attempt, Failed, Streamed, Target, Upstream, blame_answered_5xx
 from policies.admission import RetryLater
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
@@ -341,11 +341,7 @@ class Coordinator:
                     attempt.answered_5xx.append(target.replica)
                 last = outcome
                 continue
-            if attempt.record.status < 500:
-                # A request every replica answers with a 5xx is the request's fault (one client's odd input must
-                # not eject replicas); one another replica serves was the failed replica's.
-                for failed in attempt.answered_5xx:
-                    failed.record_failure(self.gw.clock(), answered=True)
+            blame_answered_5xx(attempt.answered_5xx, attempt.record.status, self.gw.clock())
             if isinstance(outcome, Streamed):
                 return outcome.relay
             if outcome.status == 400 and heal and (larger := self._larger_pool(attempt, target.pool, outcome.body,

@@ -39,7 +39,7 @@ from gateway.errors import UpstreamFailure, error_body
 from gateway.record import RequestRecord
 from gateway.relay import SseFilter
 from gateway.routes import GENERATE_PATHS
-from gateway.upstream import Target
+from gateway.upstream import Target, blame_answered_5xx
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.replica_choice import RoutingRequest
@@ -51,6 +51,7 @@ log = logging.getLogger("m3gate.epp")
 RESPONSE_MODES = ("full", "none")
 # The client's credentials are the gateway's business, never a replica's (as gateway/relay.py's NOT_FORWARDED).
 _CREDENTIALS = ("authorization", "x-api-key", "cookie")
+SERVER_ERROR = "The gateway failed on this request; it has been logged."
 
 
 class EndpointPicker(ext_grpc.ExternalProcessorServicer):
@@ -134,7 +135,10 @@ class Exchange:
         self.request = request = self._asgi_request(message)
         self.subset = wire.endpoint_list(wire.metadata_value(message, wire.SUBSET_NAMESPACE, wire.SUBSET_KEY))
         self.api = GENERATE_PATHS.get(request.scope["path"], "") if request.scope["method"] == "POST" else ""
+        declared = request.headers.get("content-length", "")
         if not self.api:
+            if declared.isdigit() and await self._over_limit(int(declared)):
+                return
             if message.request_headers.end_of_stream:
                 await self.answer_locally()
             return
@@ -146,6 +150,8 @@ class Exchange:
             self.client = gw.traffic.authenticate(request)  # no key, no body read
         except RequestRejected as exc:
             await self.refuse(exc)
+            return
+        if declared.isdigit() and await self._over_limit(int(declared)):
             return
         if message.request_headers.end_of_stream:
             await self.decide()
@@ -177,16 +183,25 @@ class Exchange:
         body = message.request_body
         self.chunks.append(body.body)
         self.size += len(body.body)
-        limit = self.picker.gw.config.server.max_body_bytes
-        if self.size > limit and self.record is not None:
-            await self.refuse(RequestRejected(f"Request body exceeds {limit} bytes. Send a smaller request.",
-                                              status=413, code="request_too_large"))
+        if await self._over_limit(self.size):
             return
         if body.end_of_stream:
             if self.api:
                 await self.decide()
             else:
                 await self.answer_locally()
+
+    async def _over_limit(self, size: int) -> bool:
+        """A body (declared, or read so far) past `server.max_body_bytes` is refused with a 413, whatever the path:
+        the picker holds every body it answers itself in memory until it ends, as it does a generate path's."""
+        limit = self.picker.gw.config.server.max_body_bytes
+        if size <= limit:
+            return False
+        self.chunks = []
+        await self.refuse(RequestRejected(f"Request body is {size} bytes or more; this gateway accepts at most "
+                                          f"{limit} bytes. Send a smaller request.", status=413,
+                                          code="request_too_large"))
+        return True
 
     async def answer_locally(self) -> None:
         """A path that needs no replica's answer: the gateway's own app answers it, as an ImmediateResponse."""
@@ -229,6 +244,11 @@ class Exchange:
             type_ = "timeout_error" if exc.status == 504 else "upstream_error"
             await self.immediate(exc.status, error_body(exc.message, type_, None, exc.code),
                                  {"retry-after": "1"} if exc.status == 503 else {})
+            return
+        except Exception:  # a gateway bug: logged, answered and counted as `serve` answers its own (gateway/routes.py)
+            log.exception("unexpected error picking a replica for POST %s", record.path)
+            record.status, record.error = 500, "server_error"
+            await self.immediate(500, error_body(SERVER_ERROR, "server_error"), {})
             return
         self.chunks = []
         remove = [name for name in _CREDENTIALS if name not in set_headers and _has(request, name)]
@@ -337,8 +357,9 @@ class Exchange:
         addresses = self.picker.addresses
         if not self.targets or await addresses.of(self.targets[0].replica.url) == endpoint:
             return
-        first = self.targets[0]
-        first.replica.record_failure(self.picker.gw.clock())
+        # Envoy retries a 5xx, a reset or a refused connection alike, and says only where the answer came from: the
+        # pick counts as a replica that answered a 5xx, by `serve`'s rule (blamed only if the fallback serves it)
+        blame_answered_5xx([self.targets[0].replica], record.status, self.picker.gw.clock())
         for target in self.targets[1:]:
             if await addresses.of(target.replica.url) == endpoint:
                 if self.guard is not None:

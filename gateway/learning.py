@@ -41,10 +41,12 @@ class Learning:
     def overlength(self, pool: str, record: RequestRecord, counted: int) -> None:
         """The pool's replica counted `counted` prompt tokens when it refused the prompt as too long."""
         if counted and record.prompt_tokens_raw:
-            self.ratio(pool, record.prompt_tokens_raw, counted)
+            self.ratio(pool, record.prompt_tokens_raw, counted, at_least=True)  # vLLM counted a truncated prompt
 
-    def ratio(self, pool: str, estimated: int, counted: int) -> None:
-        if self.gw.estimates.observe(pool, estimated, counted):
+    def ratio(self, pool: str, estimated: int, counted: int, at_least: bool = False) -> None:
+        """One count for the pool's token-estimate ratio; logged only when it moved materially, once a minute at
+        most per pool (policies/estimates.py decides)."""
+        if self.gw.estimates.observe(pool, estimated, counted, self.gw.clock(), at_least=at_least):
             log.warning("pool %s: its replicas count %.2f× the gateway's token estimate; pool choice now corrects "
                         "for it (set classification.calibration_factor to match)", pool, self.gw.estimates.ratio(pool))
 

@@ -15,7 +15,7 @@ call replicas through `Upstream`, so three things exist once:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -83,6 +83,16 @@ class Streamed:
 
 
 Outcome = Streamed | Answered | Failed
+
+
+def blame_answered_5xx(replicas: Iterable[Replica], final_status: int, now: float) -> None:
+    """The replicas that answered a request with a retryable 5xx, once its final answer is known. A request every
+    replica answers with a 5xx is the request's fault (one client's odd input must not eject replicas); one another
+    replica serves was theirs: each counts an answered 5xx (`Replica.record_failure`: ejected after a few in a
+    row). Both doors apply it: the coordinator's retries and Envoy's, seen by the endpoint picker."""
+    if final_status < 500:
+        for replica in replicas:
+            replica.record_failure(now, answered=True)
 
 
 def failure_of(exc: BaseException, replica: Replica, pool: str) -> Failed:

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pools.sim import structured
 from pools.sim.behaviour import check_tools, find_answer, plan_inputs, plan_output, tools_in_prompt
 from pools.sim.disagg import NixlConnector
 from pools.sim.engine import Engine, EngineBusy, RequestGroup, SimRequest
@@ -489,6 +490,7 @@ class SimApp:
         await self._pre_generate()
         precheck_chat(body)
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        structured.check_params(req.structured_outputs)
         kv_transfer = self._kv_params(request, req.kv_transfer_params)
         check_tools(req.tools)  # vLLM's model validation refuses such a tool, whatever tool_choice, before the model
         model = self._check_model(req.model)
@@ -502,7 +504,9 @@ class SimApp:
         prompt = await self._prepare(text, add_special_tokens=False, salt=req.cache_salt)
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, requested)
+        constraint = structured.from_request(req.structured_outputs, req.response_format)
         check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
+        structured.validate(constraint)
         tools = req.tools if req.tool_choice != "none" else None
         if _greedy(req.temperature):
             prompt.greedy()
@@ -516,7 +520,8 @@ class SimApp:
             arrival=arrival, response_id=self._response_id(request, req.request_id, "chatcmpl-"), model=model,
             prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream), n=req.num_choices, kv_transfer=kv_transfer,
             plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
-                         "tool_choice": req.tool_choice, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens},
+                         "tool_choice": req.tool_choice, "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens,
+                         "structured": constraint},
             include_reasoning=req.include_reasoning, include_usage=req.include_usage,
             continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
             role="assistant" if req.add_generation_prompt else str(last_role or "assistant"),
@@ -532,6 +537,7 @@ class SimApp:
         await self._pre_generate()
         body = precheck_completion(body)
         req: CompletionRequest = validate(CompletionRequest, body)
+        structured.check_params(req.structured_outputs)
         kv_transfer = self._kv_params(request, req.kv_transfer_params)
         model = self._check_model(req.model)
         if req.stream and req.use_beam_search:
@@ -550,8 +556,10 @@ class SimApp:
             prompt = self._prepare_ids(list(p), req.cache_salt)
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_tokens)
+        constraint = structured.from_request(req.structured_outputs, req.response_format)
         check_sampling(req, max_tokens, vocab_size=self.tokenizer.vocab_size)
-        plan_kwargs: dict[str, Any] = {"chat": False, "min_tokens": req.min_tokens}
+        structured.validate(constraint)
+        plan_kwargs: dict[str, Any] = {"chat": False, "min_tokens": req.min_tokens, "structured": constraint}
         offset, fingerprint = 0, None
         if _greedy(req.temperature):
             prompt.greedy()
@@ -579,6 +587,7 @@ class SimApp:
 
     async def responses(self, request: Request) -> Response:
         arrival, req, model = await self._validated(request, ResponsesRequest)
+        structured.check_params(req.structured_outputs)
         messages = _responses_to_messages(req)
         tools = [_responses_tool(t) for t in req.tools or [] if t.get("type", "function") == "function"] or None
         extra = req.model_extra or {}
@@ -590,15 +599,18 @@ class SimApp:
             prompt.greedy()
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_output_tokens)
+        constraint = structured.from_responses(req.structured_outputs, req.text)
         self._check_output_budget(max_tokens)
+        structured.validate(constraint)
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, req.request_id, "resp_"), model=model, prompt=prompt,
             max_tokens=max_tokens, stream=bool(req.stream),
             plan_kwargs={"chat": True, "thinking_mode": kwargs.get("thinking_mode"), "tools": tools,
-                         "tool_choice": req.tool_choice},
+                         "tool_choice": req.tool_choice, "structured": constraint},
             echo={"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                   "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice,
-                  "tools": req.tools})
+                  "tools": req.tools, "text": req.text.model_dump(by_alias=True, exclude_unset=True) if req.text
+                  else None})
         if tools:
             gen.tool_parsing = "responses"
         return self._respond(gen, ResponsesShape)
@@ -623,11 +635,14 @@ class SimApp:
             prompt.greedy()
         n = self._check_prompt(prompt)
         max_tokens = self._max_tokens(n, req.max_tokens)
+        constraint = structured.from_messages((req.model_extra or {}).get("output_config"))
         self._check_output_budget(max_tokens)
+        structured.validate(constraint)
         gen = self._generation(
             arrival=arrival, response_id=self._response_id(request, None, "chatcmpl-"),  # vLLM answers as a chat
             model=model, prompt=prompt, max_tokens=max_tokens, stream=bool(req.stream),
-            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice},
+            plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice,
+                         "structured": constraint},
             cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0)
         return self._respond(gen, MessagesShape)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pools.sim.protocol import request_validation_error
+from pools.sim.structured import Constraint, write
 from pools.sim.tokenizer import TEXT_VOCAB_SIZE
 
 # Output vocabulary (the top of the tokenizer's, which prompt text never maps into): an answer's first token id
@@ -66,6 +67,11 @@ class OutputPlan:
     word_offset: int  # where in the word lists this answer starts (varies the text between prompts)
     flags: int = 0  # plan flags carried by the first token id (`plan_flags`)
     opens_thinking: bool = False  # the raw text opens reasoning with <mm:think> (the template did not)
+    content_text: str | None = None  # structured output: the whole constrained text (content may stop short of it)
+
+    @property
+    def content_text_tokens(self) -> int:
+        return text_tokens(self.content_text or "")
 
     @property
     def total_tokens(self) -> int:
@@ -82,6 +88,9 @@ class OutputPlan:
             return "reasoning", REASONING_WORDS[(self.word_offset + index) % len(REASONING_WORDS)]
         index -= self.reasoning_tokens
         if index < self.content_tokens:
+            if self.content_text is not None:
+                size = -(-len(self.content_text) // self.content_text_tokens)
+                return "content", self.content_text[index * size:(index + 1) * size]
             return "content", CONTENT_WORDS[(self.word_offset + index) % len(CONTENT_WORDS)]
         return "tool", ""
 
@@ -238,10 +247,27 @@ def tools_in_prompt(text: str) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def text_tokens(text: str) -> int:
+    """The tokens a constrained text takes (4 bytes each, as the built-in tokenizer counts; at least one)."""
+    return max(1, -(-len(text.encode()) // 4))
+
+
+def _structured_plan(constraint: Constraint, rng: random.Random, max_tokens: int, thinking: bool, offset: int,
+                     flags: int, opens: bool) -> OutputPlan:
+    """An answer under structured output: reasoning (unconstrained, as vLLM applies the grammar once reasoning
+    ends), then the constrained text, cut at max_tokens ("length", the value left unfinished) as vLLM cuts it.
+    No tool call: the grammar admits no tool-call markup."""
+    text = write(constraint, rng)
+    reasoning = min(rng.randint(8, 64), max_tokens) if thinking else 0
+    needed, budget = text_tokens(text), max_tokens - reasoning
+    finish = "stop" if needed < budget else "length"
+    return OutputPlan(reasoning, min(needed, budget), None, finish, offset, flags, opens, text)
+
+
 def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thinking_mode: str | None = None,
                 tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, ignore_eos: bool = False,
                 min_tokens: int = 0, mean_output_tokens: int = 256, tool_call_probability: float = 0.5,
-                adaptive_thinking_probability: float = 0.5) -> OutputPlan:
+                adaptive_thinking_probability: float = 0.5, structured: Constraint | None = None) -> OutputPlan:
     """Decide the answer's shape. `fingerprint` identifies the prompt (equal prompts → equal plans)."""
     check_tools(tools)  # before any random draw: a bad tool is refused whatever the plan would have been
     rng = random.Random((seed << 64) ^ fingerprint)
@@ -259,6 +285,8 @@ def plan_output(*, seed: int, fingerprint: int, max_tokens: int, chat: bool, thi
 
     flags = plan_flags(chat=chat, thinking_mode=thinking_mode, tools=tools, tool_choice=tool_choice)
     opens = thinking and thinking_mode != "enabled"
+    if structured is not None and structured.constrains_text:
+        return _structured_plan(structured, rng, max_tokens, thinking, offset, flags, opens)
     forced = named_tool(tool_choice)
     wants_tool = bool(tools) and tool_choice != "none" and (
         tool_choice == "required" or forced is not None or rng.random() < tool_call_probability)

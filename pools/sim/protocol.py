@@ -12,10 +12,10 @@ last-defined validator runs first), before the pydantic models see it. `check_sa
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.responses import Response
 
 JSON = "application/json"
@@ -141,6 +141,50 @@ def validate(model: type[BaseModel], data: Any) -> Any:
         raise request_validation_error(errors) from None
 
 
+class _VllmModel(BaseModel):
+    """vLLM's OpenAIBaseModel: extra fields allowed, and a wrap validator whose marker (`function-wrap[…]`) is what
+    a union member's errors carry in their `loc` (dropped when printed) instead of the class name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def __log_extra_fields__(cls, data: Any, handler: Any) -> Any:
+        return handler(data)
+
+
+class JsonSchemaResponseFormat(_VllmModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_VllmModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuralTagResponseFormat(_VllmModel):
+    type: Literal["structural_tag"]
+    format: Any
+
+
+class LegacyStructuralTag(_VllmModel):
+    begin: str
+    structural_tag_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
+class LegacyStructuralTagResponseFormat(_VllmModel):
+    type: Literal["structural_tag"]
+    structures: list[LegacyStructuralTag]
+    triggers: list[str]
+
+
+AnyResponseFormat = ResponseFormat | StructuralTagResponseFormat | LegacyStructuralTagResponseFormat
+
+
 class _Request(BaseModel):
     """Unknown fields are accepted, as vLLM's `extra="allow"` models do."""
 
@@ -168,6 +212,8 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # VLLM_MAX_STOP_STRINGS
+    response_format: AnyResponseFormat | None = None  # pools/sim/structured.py acts on these two
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -315,6 +361,28 @@ def _check_tool_usage(data: dict[str, Any]) -> None:
                                         "`tools`", "tool_choice")
 
 
+def _check_structured_outputs_count(data: dict[str, Any], *, chat: bool) -> None:
+    """At most one of json, regex and choice; in chat, not with a named tool_choice."""
+    params = data.get("structured_outputs")
+    if not isinstance(params, dict):
+        return
+    count = sum(params.get(k) is not None for k in ("json", "regex", "choice"))
+    message = "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice')."
+    if count > 1:
+        raise bad_request(message) if chat else vllm_validation_error(message, "structured_outputs")
+    if chat and count > 0 and data.get("tool_choice", "none") not in ("none", "auto", "required"):
+        raise bad_request("You can only either use constraints for structured outputs or tools, not both.")
+
+
+def _check_response_format(data: dict[str, Any]) -> None:
+    """A json_schema response_format needs its `json_schema` object."""
+    response_format = data.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema" \
+            and response_format.get("json_schema") is None:
+        raise vllm_validation_error("When response_format type is 'json_schema', the 'json_schema' field must be "
+                                    "provided.", "response_format")
+
+
 def _names_a_tool(tools: Any, name: str) -> bool:
     """vLLM's own loop (`tool["function"]["name"] == name` over the tools until one matches), run before pydantic
     has checked the tools: a malformed tool before the match fails as it fails there. Its handler answers the raw
@@ -337,6 +405,7 @@ def precheck_chat(data: Any) -> None:
         return
     _check_generation_prompt(data)
     _check_tool_usage(data)
+    _check_structured_outputs_count(data, chat=True)
     _check_integer_fields(data, ("prompt_logprobs", "top_logprobs"))
     top = data.get("top_logprobs")
     if top is not None:
@@ -345,6 +414,7 @@ def precheck_chat(data: Any) -> None:
         if (top == -1 or top > 0) and not data.get("logprobs"):
             raise vllm_validation_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     _check_stream_options(data)
+    _check_response_format(data)
     _check_cache_salt(data)
 
 
@@ -366,6 +436,8 @@ def precheck_completion(data: Any) -> Any:
     logprobs = data.get("logprobs")
     if logprobs is not None and logprobs < 0 and logprobs != -1:
         raise vllm_validation_error("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
+    _check_structured_outputs_count(data, chat=False)
+    _check_response_format(data)
     if "max_tokens" in data and data["max_tokens"] is None:
         data = {**data, "max_tokens": 16}
     _check_cache_salt(data)
@@ -437,6 +509,34 @@ def check_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: i
                                         f"{MAX_LOGPROBS}", "logprobs", wanted)
 
 
+class ResponseFormatText(BaseModel):
+    """The Responses API's `text.format` members: the openai package's models (no wrap validator, so a union
+    member's errors carry its class name in `loc`, as vLLM prints them)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+
+
+class ResponseFormatTextJSONSchemaConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    schema_: dict[str, object] = Field(alias="schema")
+    type: Literal["json_schema"]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJSONObject(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["json_object"]
+
+
+class ResponseTextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: ResponseFormatText | ResponseFormatTextJSONSchemaConfig | ResponseFormatJSONObject | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -450,6 +550,8 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     request_id: str | None = None
+    text: ResponseTextConfig | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class MessagesRequest(BaseModel):

@@ -540,7 +540,8 @@ class ResponsesShape:
             "instructions": gen.echo.get("instructions"), "max_output_tokens": gen.echo.get("max_output_tokens"),
             "metadata": None, "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
             "service_tier": "auto", "store": False, "temperature": gen.echo.get("temperature"),
-            "text": {"format": {"type": "text"}}, "tool_choice": gen.echo.get("tool_choice", "auto"),
+            "text": gen.echo.get("text") or {"format": {"type": "text"}},
+            "tool_choice": gen.echo.get("tool_choice", "auto"),
             "tools": gen.echo.get("tools") or [], "top_p": gen.echo.get("top_p"), "truncation": "disabled",
             "user": None, "background": False,
             "usage": None if status == "in_progress" else {

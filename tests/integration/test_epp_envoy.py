@@ -175,17 +175,33 @@ def test_requests_land_in_the_right_pool(pair: Pair) -> None:
     assert 'm3gate_requests_total{api="chat",class="repository",pool="repository",status="200"' in metrics
 
 
+def _routing(pair: Pair, reason: str) -> int:
+    """The picker's m3gate_routing_decisions_total for the interactive pool and `reason`."""
+    metrics = httpx.get(pair.picker_http + "/metrics").text
+    line = f'm3gate_routing_decisions_total{{pool="interactive",reason="{reason}"}}'
+    return sum(int(float(m.rsplit(" ", 1)[1])) for m in metrics.splitlines() if m.startswith(line))
+
+
 def test_a_conversation_keeps_its_replica(pair: Pair) -> None:
-    client = pair.client(**{"x-session-id": "epp-conversation-1"})
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse. " * 200}]
-    seen = []
-    for turn in range(4):
-        messages.append({"role": "user", "content": f"Question {turn}: what next?"})
-        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
-        answer = raw.parse()
-        seen.append(served(raw))
-        messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
-    assert len(set(seen)) == 1 and seen[0] in {_address(pair.sims["a"]), _address(pair.sims["b"])}
+    """Session stickiness, not prefix affinity: each turn is a short prompt of its own (no block in common with the
+    others), so only the session header ties them to one replica; without it the same turns spread over both."""
+    interactive = {_address(pair.sims["a"]), _address(pair.sims["b"])}
+
+    def turns(client: openai.OpenAI, tag: str) -> list[str]:
+        seen = []
+        for turn in range(4):
+            content = f"{tag} {turn}: " + ["why", "how so", "and then", "what next"][turn]
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4)
+            raw.parse()
+            seen.append(served(raw))
+        return seen
+
+    sticky_before = _routing(pair, "session")
+    kept = turns(pair.client(**{"x-session-id": "epp-conversation-1"}), "Sticky")
+    assert len(set(kept)) == 1 and kept[0] in interactive
+    assert _routing(pair, "session") - sticky_before == 3  # turns 2-4 went where the session was
+    assert set(turns(pair.client(), "Loose")) == interactive  # the control: no session, no stickiness
 
 
 def test_the_subset_hint_is_honoured(pair: Pair) -> None:
@@ -229,6 +245,9 @@ def test_hostile_bodies_get_openai_shaped_4xx(pair: Pair) -> None:
             assert error["code"] == code
     unknown = httpx.get(pair.url + "/v1/nothing-here", timeout=10)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    for path in ("/tokenize", "/v1/nothing-here"):  # paths the picker answers itself hold their body in it too
+        large = httpx.post(pair.url + path, content=b"x" * 2_100_000, timeout=60)
+        assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large", large.text[:300]
     models = pair.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
 
@@ -393,3 +412,37 @@ def test_response_processing_none(pair: Pair) -> None:
         if envoy is not None:
             envoy.stop()
         picker.stop()
+
+
+def test_envoy_retries_eject_a_replica_by_serve_s_rule(pair: Pair) -> None:
+    """A replica answering 500 to everything: Envoy retries each of its requests on the fallback, unseen by the
+    client, and the picker counts each retry as an answered 5xx of the replica, out of rotation after the third in a
+    row, as `m3gate serve` ejects one (not at the first, which one client's odd request could cause)."""
+    prompt = "Affinity keeps this long prompt on one replica. " * 60  # blocks of its own: the same pick every time
+    client = pair.client()
+
+    def ask() -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)
+        raw.parse()
+        return served(raw)
+
+    by_address = {_address(pair.sims[name]): pair.sims[name] for name in "ab"}
+    pick = ask()
+    faulty, other = by_address[pick], next(s for a, s in by_address.items() if a != pick)
+
+    def state() -> dict[str, Any]:
+        return httpx.get(pair.picker_http + "/admin/pools").json()["pools"]["interactive"]["replicas"][faulty.url]
+
+    ejections, retries = state()["ejections"], pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry")
+    faulty.set_faults(error_rate=1.0)
+    try:
+        for n in range(1, 4):
+            assert ask() == _address(other)  # the client never sees the 500
+            assert pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry") - retries == n
+            assert state()["consecutive_failures"] == n
+            assert state()["ejections"] - ejections == (1 if n == 3 else 0), n
+        assert ask() == _address(other)  # out of rotation: picked no more, so no retry
+        assert pair.envoy_stat("cluster.m3gate_replicas.upstream_rq_retry") - retries == 3
+    finally:
+        faulty.set_faults(error_rate=0.0)
