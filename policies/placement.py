@@ -13,7 +13,10 @@ request serves no more than round robin (loadtests/bench_prefix_load.py). So:
   last `window_s`, by more than the move costs: recomputing the uncached part there now, plus the same again for
   what it displaces (a cache under load is full, so each block written evicts one someone will miss), times
   `move_cost_factor`. The target then holds the prefix too: that is a second home, and the group's later requests
-  follow it by the same rule, so a hot prefix is replicated onto as many replicas as its load needs and no more.
+  follow it by the same rule, so a hot prefix is replicated onto as many replicas as its load needs and no more;
+- a prefix no replica holds founds a new group: among the replicas that would serve it about as fast, it goes to
+  those sent the fewest requests lately (`DispatchRate`), since the groups already homed on a replica keep coming
+  back to it; hashing its first block picks among those, so its repeats meet.
 
 Pure: time is passed in; each pool's PrefixAffinity (policies/replica_choice.py) owns one `QueueWindow`; the
 tunables are `routing.placement` (ChoiceParams.placement_window_s, move_cost_factor).
@@ -24,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-__all__ = ["QueueWindow", "move_cost_s", "should_move"]
+__all__ = ["DispatchRate", "QueueWindow", "move_cost_s", "should_move"]
 
 
 class QueueWindow:
@@ -85,3 +88,41 @@ def should_move(home_wait_s: tuple[float, float], other_wait_s: tuple[float, flo
         return False
     threshold = max(extra_prefill_s, 0.0) + move_cost_s(extra_prefill_s, factor)
     return (home_wait_s[0] - other_wait_s[0] > threshold) and (home_wait_s[1] - other_wait_s[1] > threshold)
+
+
+class DispatchRate:
+    """Requests sent to each replica per second, averaged over `window_s` (each send adds 1/window_s to a value that
+    decays as exp(-t/window_s)): how much traffic the prefixes homed on a replica bring back. Bounded."""
+
+    __slots__ = ("window_s", "max_replicas", "_state")
+
+    def __init__(self, window_s: float = 30.0, max_replicas: int = 4096) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self.max_replicas = max_replicas
+        self._state: OrderedDict[str, list[float]] = OrderedDict()  # url → [last update, rate]
+
+    def sent(self, replica: str, now: float) -> None:
+        state = self._state.get(replica)
+        if state is None:
+            self._state[replica] = [now, 1.0 / self.window_s]
+            if len(self._state) > self.max_replicas:
+                self._state.popitem(last=False)
+            return
+        self._state.move_to_end(replica)
+        state[1] = state[1] * math.exp(-max(now - state[0], 0.0) / self.window_s) + 1.0 / self.window_s
+        state[0] = max(state[0], now)
+
+    def rate(self, replica: str, now: float) -> float:
+        state = self._state.get(replica)
+        if state is None:
+            return 0.0
+        return state[1] * math.exp(-max(now - state[0], 0.0) / self.window_s)
+
+    def least_used(self, replicas: list[str], now: float, band: float = 0.25) -> list[str]:
+        """The replicas whose rate is within `band` (relative) or two sends of the lowest: interchangeable for a new
+        prefix's home."""
+        rates = [self.rate(r, now) for r in replicas]
+        limit = min(rates) * (1.0 + band) + 2.0 / self.window_s
+        return [r for r, rate in zip(replicas, rates, strict=True) if rate <= limit]

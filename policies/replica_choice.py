@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 import xxhash
 
 from policies.latency_model import TtftCalibrator, prefill_plan, ttft_features
-from policies.placement import QueueWindow, move_cost_s, should_move
+from policies.placement import DispatchRate, QueueWindow, move_cost_s, should_move
 from policies.snapshot import NoReplicaAvailable, ReplicaSnapshot, RoutingDecision, RoutingRequest
 
 __all__ = [
@@ -394,6 +394,7 @@ class PrefixAffinity:
         self._record_request = getattr(prefix_index, "record_request", None)
         self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
         self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue and load, persistent part
+        self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
@@ -451,7 +452,7 @@ class PrefixAffinity:
         averages = {c.url: self._window.observe(c.url, c.queue_s, c.load, now) for c in usable}
         home, reason = self._home(request, usable, most_matched, now)
         if home is None:
-            chosen, reason = self._preferred(request, ranked, best_ttft)
+            chosen, reason = self._preferred(request, ranked, best_ttft, now)
         else:
             chosen = self._moved(home, usable, averages, reason == "session")
             if chosen is not home:
@@ -557,6 +558,7 @@ class PrefixAffinity:
                 shares[replica] = before + alpha * (share - before)
                 if len(shares) > _MAX_SHARES:  # replicas come and go with discovery: keep the recent ones
                     del shares[next(iter(shares))]
+        self._sends.sent(replica, now)
         if self._record_request is not None:
             self._record_request(request, replica, now)
         elif self.prefix_index is not None and request.block_hashes:
@@ -615,12 +617,16 @@ class PrefixAffinity:
             return other
         return home
 
-    def _preferred(self, request: RoutingRequest, ranked: Sequence[Candidate],
-                   best_ttft: float) -> tuple[Candidate, str]:
-        """No replica holds any of the prompt: the near-best ones are interchangeable, and rendezvous hashing on the
-        first block (or, with no block at all, rotation) chooses among them, so repeats of a new prefix meet."""
+    def _preferred(self, request: RoutingRequest, ranked: Sequence[Candidate], best_ttft: float,
+                   now: float) -> tuple[Candidate, str]:
+        """No replica holds any of the prompt: the near-best ones are interchangeable; of those, the ones sent the
+        fewest requests lately (the prefixes homed there come back), and rendezvous hashing on the first block (or,
+        with no block at all, rotation) chooses among them, so repeats of a new prefix meet."""
         limit = best_ttft * self.params.near_best_factor + self.params.near_best_slack_s
         near = [c for c in ranked if c.predicted_ttft_s <= limit] or [ranked[0]]
+        if len(near) > 1:
+            room = set(self._sends.least_used([c.url for c in near], now))
+            near = [c for c in near if c.url in room]
         if request.block_hashes:
             key = request.block_hashes[0]
             return max(near, key=lambda c: rendezvous_weight(key, c.url)), "cold_rendezvous"
