@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from policies.placement import QueueWindow, move_cost_s, should_move
+from policies.placement import DispatchRate, QueueWindow, move_cost_s, should_move
 
 
 def test_a_first_sight_is_its_own_average() -> None:
@@ -58,3 +58,23 @@ def test_a_move_must_save_its_prefill_and_the_displaced_share_now_and_over_the_w
 def test_a_target_that_holds_as_much_costs_nothing_beyond_its_queue() -> None:
     assert should_move((0.3, 0.3), (0.1, 0.1), 0.0, 1.0)
     assert not should_move((0.1, 0.1), (0.1, 0.1), 0.0, 1.0)
+
+
+def test_the_dispatch_rate_is_requests_per_second_over_its_window() -> None:
+    sends = DispatchRate(window_s=30.0)
+    for k in range(300):  # 2 requests/s for 150 s
+        sends.sent("a", now=k * 0.5)
+    assert sends.rate("a", now=150.0) == pytest.approx(2.0, rel=0.05)
+    assert sends.rate("a", now=180.0) == pytest.approx(2.0 * math.exp(-1.0), rel=0.05)  # fades after
+    assert sends.rate("never", now=0.0) == 0.0
+
+
+def test_a_new_prefix_finds_room_on_the_replicas_sent_least_lately() -> None:
+    sends = DispatchRate(window_s=30.0)
+    for k in range(60):
+        sends.sent("busy", now=float(k))
+        if k % 2:
+            sends.sent("half", now=float(k))
+    sends.sent("calm", now=59.0)
+    assert sends.least_used(["busy", "half", "calm", "unseen"], now=60.0) == ["calm", "unseen"]
+    assert sends.least_used(["busy", "half"], now=60.0) == ["half"]

@@ -326,6 +326,28 @@ def test_distinct_cold_prefixes_spread_evenly() -> None:
     assert all(60 <= n <= 140 for n in counts.values()), counts
 
 
+def test_new_prefixes_go_where_the_homed_ones_bring_back_the_least_traffic() -> None:
+    """Groups founded one after another, each then sending as often as the others: they spread about evenly,
+    where hashing their first blocks alone leaves one replica more groups than its cache holds."""
+    policy = _affinity()
+    groups = [blocks(100 + g, 20) for g in range(24)]
+    homes: dict[int, str] = {}
+    now = 0.0
+    for g in range(24):
+        for earlier, prompt in enumerate(groups[:g]):  # each founded group keeps sending
+            decision = policy.choose(RoutingRequest(3000, 100, prompt), [fresh(u) for u in URLS], now)
+            policy.dispatched(RoutingRequest(3000, 100, prompt), decision.replica, now)
+            assert decision.replica == homes[earlier]
+            now += 1.0 / max(g, 1)
+        first = policy.choose(RoutingRequest(3000, 100, groups[g]), [fresh(u) for u in URLS], now)
+        assert first.reason == "cold_rendezvous"
+        policy.dispatched(RoutingRequest(3000, 100, groups[g]), first.replica, now)
+        homes[g] = first.replica
+    spread = Counter(homes.values())
+    hashed = Counter(max(URLS, key=lambda u: rendezvous_weight(prompt[0], u)) for prompt in groups)
+    assert max(spread.values()) - min(spread.values()) <= 2 < max(hashed.values()) - min(hashed.values())
+
+
 def test_rendezvous_moves_only_the_prefixes_of_a_removed_replica() -> None:
     policy = _affinity()
     before = {t: policy.choose(RoutingRequest(3000, 1, blocks(t, 20)), [fresh(u) for u in URLS], 0.0).replica
