@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Hashable
 
 __all__ = ["DispatchRate", "QueueWindow", "move_cost_s", "should_move"]
 
@@ -79,20 +80,23 @@ def move_cost_s(extra_prefill_s: float, factor: float) -> float:
 
 
 def should_move(home_wait_s: tuple[float, float], other_wait_s: tuple[float, float], extra_prefill_s: float,
-                factor: float) -> bool:
+                factor: float, later_requests: float = 0.0) -> bool:
     """Leave home for `other` only if it saves more than the move costs both now and over the window.
 
     `*_wait_s`: (queue wait now, its windowed average) on each replica; `extra_prefill_s`: the prefill `other` adds
-    for this request (its uncached tokens beyond home's) — paid now, on top of the displacement `move_cost_s`."""
+    for this request (its uncached tokens beyond home's) — paid once, on top of the displacement `move_cost_s`.
+    `later_requests`: the group's requests expected within the window after this one; the move gives the group a
+    second home, so they save the wait too while the cost is paid once (a hot prefix spreads sooner than a rare one)."""
     if math.isinf(factor):
         return False
-    threshold = max(extra_prefill_s, 0.0) + move_cost_s(extra_prefill_s, factor)
+    threshold = (max(extra_prefill_s, 0.0) + move_cost_s(extra_prefill_s, factor)) / (1.0 + max(later_requests, 0.0))
     return (home_wait_s[0] - other_wait_s[0] > threshold) and (home_wait_s[1] - other_wait_s[1] > threshold)
 
 
 class DispatchRate:
-    """Requests sent to each replica per second, averaged over `window_s` (each send adds 1/window_s to a value that
-    decays as exp(-t/window_s)): how much traffic the prefixes homed on a replica bring back. Bounded."""
+    """Requests per second, per key, averaged over `window_s` (each one adds 1/window_s to a value that decays as
+    exp(-t/window_s)): per replica, how much traffic the prefixes homed there bring back; per prefix, how often its
+    group comes. Bounded (least recently seen keys go first)."""
 
     __slots__ = ("window_s", "max_replicas", "_state")
 
@@ -101,9 +105,9 @@ class DispatchRate:
             raise ValueError("window_s must be positive")
         self.window_s = window_s
         self.max_replicas = max_replicas
-        self._state: OrderedDict[str, list[float]] = OrderedDict()  # url → [last update, rate]
+        self._state: OrderedDict[Hashable, list[float]] = OrderedDict()  # key → [last update, rate]
 
-    def sent(self, replica: str, now: float) -> None:
+    def sent(self, replica: Hashable, now: float) -> None:
         state = self._state.get(replica)
         if state is None:
             self._state[replica] = [now, 1.0 / self.window_s]
@@ -114,7 +118,7 @@ class DispatchRate:
         state[1] = state[1] * math.exp(-max(now - state[0], 0.0) / self.window_s) + 1.0 / self.window_s
         state[0] = max(state[0], now)
 
-    def rate(self, replica: str, now: float) -> float:
+    def rate(self, replica: Hashable, now: float) -> float:
         state = self._state.get(replica)
         if state is None:
             return 0.0

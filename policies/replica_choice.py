@@ -395,6 +395,7 @@ class PrefixAffinity:
         self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
         self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue and load, persistent part
         self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
+        self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
@@ -454,7 +455,12 @@ class PrefixAffinity:
         if home is None:
             chosen, reason = self._preferred(request, ranked, best_ttft, now)
         else:
-            chosen = self._moved(home, usable, averages, reason == "session")
+            group = request.block_hashes[home.matched_blocks - 1] if home.matched_blocks else None
+            later = 0.0
+            if group is not None:
+                self._groups.sent(group, now)
+                later = self._groups.rate(group, now) * self.params.placement_window_s - 1.0
+            chosen = self._moved(home, usable, averages, reason == "session", later)
             if chosen is not home:
                 reason = "prefix_move"
         bound = self._load_bound([load for _, load in averages.values()])
@@ -593,9 +599,10 @@ class PrefixAffinity:
         return min(holders, key=lambda c: (c.predicted_ttft_s, c.url)), "affinity_hit"
 
     def _moved(self, home: Candidate, usable: Sequence[Candidate], averages: Mapping[str, tuple[float, float]],
-               session: bool) -> Candidate:
-        """Home, unless another replica is persistently less queued by more than the move costs
-        (policies/placement.should_move): the one whose TTFT plus the move's displacement cost is least. A session's
+               session: bool, later: float) -> Candidate:
+        """Home, unless another replica is persistently less queued by more than the move costs, spread over the
+        `later` requests of the group due within the window (policies/placement.should_move): the one whose TTFT
+        plus the move's displacement cost is least. A session's
         replica also holds history the index may not know of: it is left only for a TTFT beyond session_ttft_factor
         × the other's + session_slack_s."""
         params = self.params
@@ -613,7 +620,7 @@ class PrefixAffinity:
         if session and home.predicted_ttft_s <= limit:
             return home
         if should_move((home.queue_s, averages[home.url][0]), (other.queue_s, averages[other.url][0]), extra(other),
-                       factor):
+                       factor, later):
             return other
         return home
 

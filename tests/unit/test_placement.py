@@ -78,3 +78,10 @@ def test_a_new_prefix_finds_room_on_the_replicas_sent_least_lately() -> None:
     sends.sent("calm", now=59.0)
     assert sends.least_used(["busy", "half", "calm", "unseen"], now=60.0) == ["calm", "unseen"]
     assert sends.least_used(["busy", "half"], now=60.0) == ["half"]
+
+
+def test_the_groups_later_requests_share_the_moves_cost() -> None:
+    extra = 0.8  # threshold 1.0 s for one request
+    assert not should_move((0.5, 0.5), (0.0, 0.0), extra, 0.25)
+    assert should_move((0.5, 0.5), (0.0, 0.0), extra, 0.25, later_requests=3.0)  # 1.0 / 4 = 0.25 s
+    assert not should_move((0.5, 0.5), (0.0, 0.0), extra, math.inf, later_requests=100.0)

@@ -191,13 +191,31 @@ def test_a_burst_does_not_move_a_prefix_but_a_queue_that_persists_does() -> None
     policy = _affinity(index)
     calm = fresh(URLS[0])
     queued = fresh(URLS[0], in_flight=12, in_flight_tokens=12 * 8000, running=0.0, waiting=12.0)
-    for t in range(10):
+    for t in range(0, 50, 5):  # a request every 5 s
         assert policy.choose(RoutingRequest(4200, 100, prompt), [calm, fresh(URLS[1])], now=float(t)).replica == URLS[0]
-    burst = policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=9.05)
+    burst = policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=45.05)
     assert burst.replica == URLS[0] and burst.reason == "affinity_hit"
     later = policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])],
-                          now=9.05 + 2 * PARAMS.placement_window_s)
+                          now=45.05 + 2 * PARAMS.placement_window_s)
     assert later.replica == URLS[1] and later.reason == "prefix_move"
+
+
+def test_a_hot_group_gets_a_second_home_for_a_queue_a_rare_one_keeps() -> None:
+    """The same steady queue on the holder: a group that comes 4 times a second moves (its later requests share the
+    move's cost), one that comes every 10 s stays."""
+
+    def moved_after(interval: float) -> bool:
+        index = PrefixIndex()
+        prompt = blocks(1, 32)
+        index.record(URLS[0], prompt, now=0.0)
+        policy = _affinity(index)
+        queued = fresh(URLS[0], in_flight=1, in_flight_tokens=3300, running=0.0, waiting=1.0)  # ~0.2 s ahead
+        reasons = [policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=k * interval).reason
+                   for k in range(20)]
+        return "prefix_move" in reasons
+
+    assert moved_after(0.25)
+    assert not moved_after(10.0)
 
 
 def test_never_move_keeps_every_request_on_its_prefix() -> None:
