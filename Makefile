@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 CACHE   ?= $(HOME)/.cache/m3gate
 export M3GATE_CACHE := $(CACHE)
 
-.PHONY: venv demo docs test test-fast redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium haproxy dashboards-png chaos fuzz soak contract
+.PHONY: venv demo docs test test-fast clients redis vllm-env tiny-model vllm-up bench clean schema prometheus chromium haproxy dashboards-png chaos fuzz soak contract
 
 $(BIN)/m3gate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,12 +31,17 @@ docs: venv
 
 # Every tool a test runs is installed first; M3GATE_REQUIRE_TOOLS=1 makes a test whose tool is still missing FAIL
 # instead of skipping (tests/support/tools.py).
-test: venv docs redis vllm-env prometheus chromium haproxy
+test: venv docs redis vllm-env prometheus chromium haproxy clients
 	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=30 -m "not vllm_pd and not vllm_own"
 	M3GATE_REQUIRE_TOOLS=1 $(BIN)/python -m pytest -q -ra --durations=10 -m "vllm_pd or vllm_own"
 
-test-fast: venv redis prometheus chromium haproxy
+test-fast: venv redis prometheus chromium haproxy clients
 	M3GATE_REQUIRE_TOOLS=1 M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
+
+# The client matrix (tests/clients, docs/clients.md): the OpenAI Agents SDK, LangChain and LiteLLM, each in its own
+# virtualenv under $(CACHE)/clients with the versions pinned in tests/clients/requirements-NAME.txt.
+clients:
+	@scripts/install-clients.sh
 
 # Prometheus + promtool (Debian package): the observability tests run a real one.
 prometheus:

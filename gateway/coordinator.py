@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -48,6 +47,7 @@ from policies.prefix import prefix_blocks
 from policies.replica_choice import NoReplicaAvailable, RoutingRequest
 from policies.traffic import SLO_TPOT_HEADER, SLO_TTFT_HEADER, request_slos
 from policies.vllm_wire import tokenize_body
+from pools.replica_tokenize import post_tokenize
 from pools.replicas import PoolRuntime, Replica
 
 # Requests whose body is larger than this are classified in a worker thread, off the event loop.
@@ -75,7 +75,8 @@ class Coordinator:
         self.learning = Learning(gateway)  # what answers teach the estimates (gateway/learning.py)
         self.upstream = Upstream(gateway, self.learning, self.finished)  # one upstream call (gateway/upstream.py)
         self.disagg = Disaggregation(gateway, self.upstream)  # the P/D path of disaggregated pools
-        self.stalls = StallWatch(gateway.clock)  # resumable streams gone silent (gateway/migration.py)
+        # resumable streams gone silent (gateway/migration/)
+        self.stalls = StallWatch(gateway.clock, gateway.config.server.health_interval_s)
 
     async def serve(self, request: Request, api: str) -> Any:
         """Every outcome is a response: the answer, or an error in OpenAI's shape."""
@@ -188,19 +189,8 @@ class Coordinator:
         payload = tokenize_body(body, api, gw.config.model)
         if payload is None:
             return None
-        headers = {"content-type": "application/json", **pool.probe_headers()}
-        try:
-            async with gw.session.post(
-                replicas[0].url + "/tokenize", data=orjson.dumps(payload), headers=headers,
-                timeout=aiohttp.ClientTimeout(total=5),
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                data = orjson.loads(await resp.read())
-                count = data.get("count")
-                return int(count) if isinstance(count, int) else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
-            return None
+        answer = await post_tokenize(gw.session, replicas[0].url, orjson.dumps(payload), pool.probe_headers())
+        return answer.count()
 
     def prefix_blocks(self, body: dict[str, Any], api: str) -> tuple[int, ...]:
         """Chained prefix-block hashes, only computed when the routing policy reads them."""
@@ -370,10 +360,12 @@ class Coordinator:
     def resumer(self, record: RequestRecord, body: dict[str, Any], api: str, payload: bytes, strip_usage: bool,
                 choice: PoolChoice, routing: RoutingRequest, refused: str | None) -> Resumer:
         """How this request's stream is resumed on another replica if its replica fails after the first byte
-        (gateway/migration.py), or counted refused when it cannot be (`refused`: why)."""
+        (gateway/migration/), or counted refused when it cannot be (`refused`: why)."""
         cfg = self.gw.config.routing.migration
         return Resumer(self.gw, record, body, api, payload, include_usage=not strip_usage,
                        choose=lambda failed: self.resume_targets(choice, routing, failed),
+                       send_leg=lambda target, path, payload, tokens: self.upstream.resume(
+                           record, target, routing, path, payload, tokens),
                        stall_timeout_s=cfg.stall_timeout_s, max_migrations=cfg.max_migrations, watch=self.stalls,
                        refused=refused)
 
@@ -409,7 +401,9 @@ class Coordinator:
         gw = self.gw
         gw.traffic.finished(record)
         self.disagg.finished(record)
-        self.learning.finished(record, self._judge_stream(record))
+        replica = self._judge_stream(record)
+        # a resumed stream's timings span two replicas and a seam: its replica's latency is not learnt from them
+        self.learning.finished(record, None if record.t_cut else replica)
         if record.session is not None and gw.sessions is not None:
             ids = record.trace
             gw.sessions.end(record, (ids.trace_id, ids.span_id) if ids is not None and ids.sampled else None)

@@ -68,7 +68,7 @@ def waterfall(record: RequestRecord, now: float, wall_now: float) -> dict[str, A
         else:
             stage("engine queue + prefill", record.t_sent, first)
     if record.stream and record.t_first_byte and record.t_last_byte:
-        if record.t_cut:  # its replica failed mid-stream: the seam, then the resumed part (gateway/migration.py)
+        if record.t_cut:  # its replica failed mid-stream: the seam, then the resumed part (gateway/migration/)
             stage("decode", record.t_first_byte, record.t_cut)
             stage("resumed decode", record.t_cut, record.t_last_byte)
         else:

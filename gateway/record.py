@@ -82,7 +82,7 @@ class RequestRecord:
     itl: tuple[list[float], tuple[float, ...]] | None = None  # a stream's inter-token series (metrics.BucketSeries)
     engine: EngineSplit | None = None  # the replica's timing, once its span was joined (gateway/engine_spans.py)
     admission_ticket: Releasable | None = None  # the admission slot, held until `finished`
-    migrations: int = 0  # times the stream was resumed on another replica after its replica failed (gateway/migration.py)
+    migrations: int = 0  # times the stream was resumed on another replica after its replica failed (gateway/migration/)
     t_cut: float = 0.0  # the first such failure
     migration_events: list[tuple[float, int, str]] | None = None  # (when, generated tokens kept, new endpoint)
     ratelimit_headers: dict[str, str] | None = None  # the key's x-ratelimit-* headers, once its quota was checked

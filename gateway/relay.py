@@ -3,8 +3,8 @@
 aiohttp is the upstream client (httpx's pool tops out near 100 req/s at c=64 here; aiohttp relays >10x that).
 Streaming responses are forwarded event by event as they arrive. The only bytes m3gate changes are the usage chunk
 it asked for itself (`stream_options.include_usage` added so it can count tokens), which the client never sees.
-A failure before the first byte is retried elsewhere; after it, the stream ends with an SSE error event, never a
-silent cut.
+A failure before the first byte is retried elsewhere; after it, a resumable chat or completions stream goes on on
+another replica (gateway/migration/), and any other stream ends with an SSE error event, never a silent cut.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def upstream_payload(
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
     gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
     class's, for pools whose vLLM schedules by priority (it replaces any the client sent). `token_ids`: a resumable
-    stream asks for `return_token_ids` (gateway/migration.py strips them from what the client gets).
+    stream asks for `return_token_ids` (gateway/migration/ strips them from what the client gets).
 
     Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
     again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
@@ -125,11 +125,12 @@ class SseFilter:
     `event: ...\\ndata: ...\\n\\n` framing alike.
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage", "saw_done", "events", "failure")
+    __slots__ = ("_buf", "strip_usage", "usage", "saw_done", "events", "failure", "waiting")
 
     def __init__(self, strip_usage: bool) -> None:
         self._buf = b""
-        self.failure: str | None = None  # the replica ended the answer itself (gateway/migration.py's IdFilter)
+        self.waiting = False  # the relay waits on the client (a stall watch does not count that as silence)
+        self.failure: str | None = None  # the replica ended the answer itself (gateway/migration/'s IdFilter)
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
         self.saw_done = False
@@ -255,7 +256,7 @@ class StreamRelay:
         self.headers = headers
         self.record = record
         self.filter = filt if filt is not None else SseFilter(strip_usage)
-        # a chat/completions stream broken after its first byte: resumed elsewhere, or ended (gateway/migration.py)
+        # a chat/completions stream broken after its first byte: resumed elsewhere, or ended (gateway/migration/)
         self.resume = resume
         self.on_done = on_done
         self.first_chunk = first_chunk
@@ -321,7 +322,9 @@ class StreamRelay:
                     scanner.feed(chunk)
                 out = filt.feed(chunk)
                 if out:
+                    filt.waiting = True
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                    filt.waiting = False
             tail = filt.remainder()
             if record.api in ("chat", "completions") and (filt.failure is not None or not filt.saw_done):
                 record.error = "upstream stream ended without [DONE]"

@@ -21,7 +21,7 @@ from gateway.errors import error_response, rejected_response
 from gateway.metrics import metrics_routes
 from gateway.runtime import Gateway
 from policies.errors import RequestRejected
-from policies.vllm_wire import connection_refused
+from pools.replica_tokenize import post_tokenize
 
 log = logging.getLogger("m3gate")
 
@@ -90,18 +90,15 @@ async def tokenize(request: Request) -> Any:
         for replica in pool.replicas.values():
             if not replica.is_available(now):
                 continue
-            payload = orjson.dumps({**body, "model": gw.config.model})
-            headers = {"content-type": "application/json", **pool.probe_headers()}
-            try:
-                async with gw.session.post(replica.url + "/tokenize", data=payload, headers=headers) as resp:
-                    data = await resp.read()
-                    return Response(data, resp.status, media_type="application/json",
-                                    headers={"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url})
-            except Exception as exc:  # noqa: BLE001 - try the next replica
-                if connection_refused(exc):  # nothing listens: shutting down or restarting, not a failure to eject
-                    replica.start_draining("connection refused")
-                else:
-                    replica.record_failure(gw.clock())
+            answer = await post_tokenize(gw.session, replica.url, orjson.dumps({**body, "model": gw.config.model}),
+                                         pool.probe_headers())
+            if answer.status:
+                return Response(answer.body, answer.status, media_type="application/json",
+                                headers={"x-m3gate-pool": pool.name, "x-m3gate-endpoint": replica.url})
+            if answer.refused:  # nothing listens: shutting down or restarting, not a failure to eject
+                replica.start_draining("connection refused")
+            else:  # try the next replica
+                replica.record_failure(gw.clock())
     return error_response(503, "No healthy replica can tokenize right now; retry shortly.", "upstream_error",
                           code="no_healthy_replica", headers={"retry-after": "1"})
 

@@ -45,10 +45,11 @@ from pools.replicas import LoadGuard, PoolRuntime, Replica
 # aiohttp's own errors and the OS's (a refused or reset connection; TimeoutError is one): a failed upstream call
 UPSTREAM_ERRORS = (aiohttp.ClientError, OSError)
 
-FailureKind = Literal["timeout", "unreachable", "answered_5xx", "kv_transfer_failed", "draining"]
-_STATUS = {"timeout": 504, "unreachable": 502, "answered_5xx": 502, "kv_transfer_failed": 502, "draining": 503}
+FailureKind = Literal["timeout", "unreachable", "answered_5xx", "answered_4xx", "kv_transfer_failed", "draining"]
+_STATUS = {"timeout": 504, "unreachable": 502, "answered_5xx": 502, "answered_4xx": 502, "kv_transfer_failed": 502,
+           "draining": 503}
 _CODE = {"timeout": "upstream_timeout", "unreachable": "upstream_unreachable", "answered_5xx": "upstream_error",
-         "kv_transfer_failed": "kv_transfer_failed", "draining": "replica_draining"}
+         "answered_4xx": "upstream_error", "kv_transfer_failed": "kv_transfer_failed", "draining": "replica_draining"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class Attempt:
     watch: DisconnectWatch
     raw_headers: list[tuple[bytes, bytes]] = field(init=False)
     answered_5xx: list[Replica] = field(default_factory=list)
-    resumer: Resumer | None = None  # a stream broken after its first byte: how it is resumed (gateway/migration.py)
+    resumer: Resumer | None = None  # a stream broken after its first byte: how it is resumed (gateway/migration/)
 
     def __post_init__(self) -> None:
         self.raw_headers = self.request.scope["headers"]
@@ -247,6 +248,39 @@ class Upstream:
         gw.policies[pool.name].dispatched(dispatched_as or routing, url, record.t_sent)
         gw.shared.on_dispatch(pool.name, url, routing)
         return guard
+
+    async def resume(self, record: RequestRecord, target: Target, routing: RoutingRequest, path: str, payload: bytes,
+                     tokens: int) -> tuple[Held, bytes] | Failed:
+        """One continuation of a stream broken after its first byte (gateway/migration/), sent as every attempt
+        is: the dispatch bookkeeping (the pool's policy, the prefix index, shared state), the call, and its failure
+        classified (a shutting-down replica drained, a 5xx counted, a 4xx — the continuation's, not the replica's
+        fault — neither). The record's first-attempt fields (send time, decision) stay the stream's. Returns the
+        open stream (its `Held`, the first bytes) or the failure."""
+        gw, pool, replica = self.gw, target.pool, target.replica
+        headers = {"content-type": "application/json"}
+        key = pool.config.api_key.get_secret_value() if pool.config.api_key else None
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        gw.telemetry.inject(record, headers)
+        held = Held(replica.guard(tokens))
+        now = gw.clock()
+        gw.policies[pool.name].dispatched(routing, replica.url, now)
+        gw.shared.on_dispatch(pool.name, replica.url, routing)
+        reply = await self.exchange(replica, pool.name, replica.url + path, payload, headers, held)
+        if isinstance(reply, Failed):
+            return reply
+        if refuses_new_requests(reply.status, reply.data):
+            replica.start_draining("refused a request (shutting down)")
+            held.close(abort=True)
+            return Failed("draining", f"replica {replica.url} of pool '{pool.name}' is shutting down", False)
+        if reply.status != 200 or not reply.stream:
+            held.close(abort=True)
+            if reply.status >= 500:
+                replica.record_failure(gw.clock(), answered=True)
+                return Failed("answered_5xx", f"replica answered {reply.status}", reached_replica=True)
+            return Failed("answered_4xx", f"replica answered {reply.status}", reached_replica=True)
+        held.guard.first_token()
+        return held, reply.data
 
     async def complete(self, record: RequestRecord, answered: Answered) -> RawResponse:
         """A complete answer goes to the client as it came: the request ends here."""

@@ -22,15 +22,25 @@ The model, per replica at N replicas (arrivals spread evenly, as the replica pol
 - KV memory. Contexts in flight per replica (B decoding, plus the ones prefilling) × their mean tokens (prompt +
   half the output) against `kv_limit` of the replica's blocks × block size. The prefix cache is not counted as
   shared (conservative: shared prefixes hold one copy).
+- Batch slots. A replica runs at most `max_num_seqs` sequences (vLLM's --max-num-seqs; the gateway learns it, as
+  vLLM does not export it): a request holds a slot from its prefill to its last token, so the slots are a G/G/c
+  queue whose occupancy is λ · (prefill + output × TPOT) (Little's law). Full (occupancy ≥ slots): the waiting
+  queue grows without bound, whatever the compute model says; below, the wait for a slot (Erlang C, its tail
+  scaled by the answers' spread) adds to the TTFT, and the batch at its 95th percentile is at most the slots.
 - The gateway's queue. Requests already waiting there are work that has arrived: they are added to the demand as a
   rate that clears them within `backlog_clear_s`; so are the uncached tokens sent to the replicas and not yet
   prefilled (`prefill_backlog`) beyond what the measured rates hold in prefill anyway (Little's law), which show
   a pile-up before any of its answers has come back.
 
 `size` returns the smallest N that meets every target and the bottleneck that set it: `prefill_compute` (TTFT),
-`decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, or `gateway_queue`
-(only the backlog made the difference). Roles: `both` (aggregated) meets all three; `prefill` only TTFT; `decode`
-TPOT and KV.
+`decode_compute` (TPOT, or the utilisation cap for a class without a TPOT target), `kv_memory`, `batch_slots` (the
+TTFT with the wait for a slot), or `gateway_queue` (only the backlog made the difference). Roles: `both`
+(aggregated) meets all four; `prefill` TTFT; `decode` TPOT and KV; every role its slots.
+
+`saturated_floor` grounds the signal in measurement: a pool role whose replicas' slots are full and whose queue
+(vLLM's waiting or the gateway's) grows needs one more replica at least, and as many as carry the arrival rate at
+the rate the running ones complete requests (the gateway reports it as the bottleneck `saturated`), whatever the
+model predicts: its costs may be unlearnt (non-streamed answers show no decode gaps) or wrong.
 
 `Stabilizer` is the signal's memory: up at once, down only `scale_down_stabilization_s` after the last change and to
 the most replicas the measured demand needed over that window (so N−1 is only asked for when N−1 met the targets at
@@ -49,10 +59,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-BOTTLENECKS = ("prefill_compute", "decode_compute", "kv_memory", "gateway_queue")
+BOTTLENECKS = ("prefill_compute", "decode_compute", "kv_memory", "batch_slots", "gateway_queue", "saturated")
 ROLES = ("both", "prefill", "decode")
-_CONSTRAINTS = {"both": ("prefill_compute", "decode_compute", "kv_memory"), "prefill": ("prefill_compute",),
-                "decode": ("decode_compute", "kv_memory")}
+_CONSTRAINTS = {"both": ("prefill_compute", "decode_compute", "kv_memory", "batch_slots"),
+                "prefill": ("prefill_compute", "batch_slots"), "decode": ("decode_compute", "kv_memory", "batch_slots")}
 _Z95 = 1.645
 _TAIL = 0.05
 
@@ -69,6 +79,7 @@ class ClassDemand:
     ttft_p95_s: float | None = None
     tpot_p95_s: float | None = None
     queued: float = 0.0  # requests of the class waiting in the gateway's queue now
+    output_cv2: float = 1.0  # squared coefficient of variation of its output tokens (1: exponential, 0: all equal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +93,7 @@ class EngineCosts:
     decode_s_per_seq: float = 2e-4
     decode_s_per_seq_1k: float = 2e-5
     kv_tokens: int | None = None  # KV blocks × block size per replica; None: unknown, not a constraint
+    max_num_seqs: int | None = None  # sequences a replica runs at once (vLLM --max-num-seqs); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +140,13 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     n = max(replicas, 0)
     rates = [d.rate + (d.queued / params.backlog_clear_s if backlog else 0.0) for d in demand]
     total = sum(rates)
-    inf = math.inf
     if n == 0:
         busy = total > 0.0
-        classes = {d.name: ClassPrediction(inf if busy else 0.0, inf if busy else 0.0) for d in demand}
-        return Prediction(0, classes, inf if busy else 0.0, None,
-                          {b: not busy for b in ("prefill_compute", "decode_compute", "kv_memory")})
+        inf = math.inf if busy else 0.0
+        return Prediction(0, {d.name: ClassPrediction(inf, inf) for d in demand}, inf, None,
+                          {b: not busy for b in ("prefill_compute", "decode_compute", "kv_memory", "batch_slots")})
     prefill_side, decode_side = role in ("both", "prefill"), role in ("both", "decode")
     per = [r / n for r in rates]
-    lam = sum(per)
     out_rate = sum(p * d.output_tokens for p, d in zip(per, demand))  # output tokens/s per replica
     weight = [r / total for r in rates] if total > 0 else [0.0 for _ in rates]
     context = sum(w * (d.prompt_tokens + d.output_tokens / 2.0) for w, d in zip(weight, demand))
@@ -144,72 +154,156 @@ def predict(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replic
     c = costs.prefill_s_per_1k * 1e-3
     rho_p = sum(p * d.uncached_tokens for p, d in zip(per, demand)) * c if (prefill_side and role == "both") else 0.0
     rho_d = g * out_rate if (decode_side and role == "both") else 0.0
-    # decode
-    tpot = tpot95 = 0.0
-    batch = 0.0
-    decode_util = 0.0
-    if decode_side:
-        decode_util = rho_p + g * out_rate
-        if decode_util >= 1.0:
-            tpot = tpot95 = inf
-            batch = inf
-        else:
-            tpot = costs.decode_step_s / (1.0 - decode_util)
-            batch = out_rate * tpot
-            b95 = batch + _Z95 * math.sqrt(batch)
-            tpot95 = (costs.decode_step_s + g * b95) / (1.0 - rho_p)
-    # prefill: M/G/1 per replica
-    wait95 = 0.0
-    services = [0.0 for _ in demand]
-    prefill_util = 0.0
+    step = _decode(costs, g, out_rate, rho_p) if decode_side else _Decode()
+    services, wait95, prefill_util = [0.0 for _ in demand], 0.0, 0.0
     if prefill_side:
-        slow = 1.0 - rho_d
-        services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else inf for d in demand]
-        prefill_util = sum(p * s for p, s in zip(per, services))
-        if prefill_backlog > 0.0 and slow > 0.0:
-            excess = prefill_backlog - n * _in_prefill(per, demand, services, prefill_util)
-            if excess > 0.0:
-                prefill_util += excess * c / slow / (n * params.backlog_clear_s)
-        if prefill_util >= 1.0:
-            wait95 = inf
-        elif lam > 0.0 and prefill_util > 0.0:
-            second = sum(p * s * s for p, s in zip(per, services)) / lam
-            mean_wait = lam * second / (2.0 * (1.0 - prefill_util))
-            if prefill_util > _TAIL and mean_wait > 0.0:
-                wait95 = mean_wait / prefill_util * math.log(prefill_util / _TAIL)
-    classes = {}
+        services, wait95, prefill_util = _prefill(per, demand, services, costs, c, rho_d, n, params, prefill_backlog)
+    held = [(s if prefill_side else 0.0) + (d.output_tokens * step.tpot if decode_side else 0.0)
+            for s, d in zip(services, demand)]
+    slot_util, slot_wait95 = _slot_wait(per, held, [d.output_cv2 for d in demand], costs.max_num_seqs)
+    base = [(wait95 + s) if prefill_side else (costs.decode_step_s if step.tpot < math.inf else math.inf)
+            for s in services]
+    classes = _classes(demand, per, services, base, slot_wait95, step, costs, g, c, rho_p, decode_side)
+    kv_usage = None
+    if decode_side and costs.kv_tokens:
+        prefilling = sum(per) * sum(w * s for w, s in zip(weight, services)) if prefill_side else 0.0
+        kv_usage = math.inf if step.batch == math.inf else (step.batch + prefilling) * context / costs.kv_tokens
+    meets = _meets(demand, classes, base, (prefill_side, decode_side), (prefill_util, step.util, slot_util),
+                   costs.max_num_seqs is not None, params)
+    if kv_usage is not None and kv_usage > params.kv_limit:
+        meets["kv_memory"] = False
+    return Prediction(n, classes, max(prefill_util, step.util, slot_util), kv_usage, meets)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decode:
+    tpot: float = 0.0  # the mean decode step
+    tpot95: float = 0.0
+    batch: float = 0.0
+    util: float = 0.0  # ρp + ρd
+
+
+def _decode(costs: EngineCosts, g: float, out_rate: float, rho_p: float) -> _Decode:
+    """The decode side per replica: TPOT = d0 / (1 − ρp − g · Λo), the batch by Little's law, and the step at the
+    batch's 95th percentile (Poisson), which the slot limit bounds: a replica never runs more than its slots."""
+    util = rho_p + g * out_rate
+    if util >= 1.0:
+        return _Decode(math.inf, math.inf, math.inf, util)
+    tpot = costs.decode_step_s / (1.0 - util)
+    batch = out_rate * tpot
+    b95 = batch + _Z95 * math.sqrt(batch)
+    if costs.max_num_seqs is not None:
+        b95 = min(b95, float(costs.max_num_seqs))
+    return _Decode(tpot, (costs.decode_step_s + g * b95) / (1.0 - rho_p), batch, util)
+
+
+def _prefill(per: Sequence[float], demand: Sequence[ClassDemand], services: list[float], costs: EngineCosts,
+             c: float, rho_d: float, n: int, params: SizingParams, prefill_backlog: float
+             ) -> tuple[list[float], float, float]:
+    """The prefill side per replica, an M/G/1 queue: each class's service, the wait's p95 and the utilisation."""
+    slow = 1.0 - rho_d
+    services = [costs.prefill_step_s + c * d.uncached_tokens / slow if slow > 0 else math.inf for d in demand]
+    util = sum(p * s for p, s in zip(per, services))
+    if prefill_backlog > 0.0 and slow > 0.0:
+        excess = prefill_backlog - n * _in_prefill(per, demand, services, util)
+        if excess > 0.0:
+            util += excess * c / slow / (n * params.backlog_clear_s)
+    lam = sum(per)
+    wait95 = 0.0
+    if util >= 1.0:
+        wait95 = math.inf
+    elif lam > 0.0 and util > 0.0:
+        second = sum(p * s * s for p, s in zip(per, services)) / lam
+        mean_wait = lam * second / (2.0 * (1.0 - util))
+        if util > _TAIL and mean_wait > 0.0:
+            wait95 = mean_wait / util * math.log(util / _TAIL)
+    return services, wait95, util
+
+
+def _slot_wait(per: Sequence[float], held: Sequence[float], cv2: Sequence[float], slots: int | None
+               ) -> tuple[float, float]:
+    """(share of a replica's batch slots taken, p95 of the wait for a free one). A request holds a slot from its
+    prefill to its last token (`held` seconds a class, by its output tokens' squared variation `cv2`), so the slots
+    are a G/G/c queue of occupancy λ · E[held] sequences on average (Little's law): Erlang C gives the chance to
+    wait, its exponential tail the p95, scaled by (1 + cs²) / 2 for the holding times' variation (Allen–Cunneen:
+    equal answers wait half as long as exponential ones). Full (occupancy ≥ slots): the queue grows without
+    bound, whatever the compute model says."""
+    lam = sum(per)
+    if slots is None or slots <= 0 or lam <= 0.0:
+        return 0.0, 0.0
+    occupancy = sum(p * h for p, h in zip(per, held))
+    if not occupancy < slots:
+        return max(1.0, occupancy / slots), math.inf
+    blocked = 1.0  # Erlang B by its recursion, then C
+    for k in range(1, slots + 1):
+        blocked = occupancy * blocked / (k + occupancy * blocked)
+    util = occupancy / slots
+    waits = blocked / (1.0 - util * (1.0 - blocked))
+    mean = occupancy / lam
+    if waits <= _TAIL or mean <= 0.0:
+        return util, 0.0
+    second = sum(p * h * h * (1.0 + max(0.0, v)) for p, h, v in zip(per, held, cv2)) / lam
+    variation = max(0.0, second / (mean * mean) - 1.0)
+    return util, (1.0 + variation) / 2.0 * mean / (slots - occupancy) * math.log(waits / _TAIL)
+
+
+def _classes(demand: Sequence[ClassDemand], per: Sequence[float], services: Sequence[float], base: Sequence[float],
+             slot_wait95: float, step: _Decode, costs: EngineCosts, g: float, c: float, rho_p: float,
+             decode_side: bool) -> dict[str, ClassPrediction]:
+    """Each class's TTFT p95 (its queue's wait and service, plus the wait for a batch slot) and TPOT p95 (the
+    step at the batch's p95, or the prefills that stall a short answer where larger)."""
     prefill_m2 = c * c * sum(p * d.uncached_tokens ** 2 for p, d in zip(per, demand)) if rho_p > 0.0 else 0.0
     jumps, longer = [], 0.0
     for p, d in sorted(zip(per, demand), key=lambda x: -x[1].uncached_tokens):
         longer += p
         jumps.append((c * d.uncached_tokens, longer))
-    for d, s in zip(demand, services):
-        ttft = (wait95 + s) if prefill_side else (costs.decode_step_s if tpot < inf else inf)
-        own = tpot95
-        if rho_p > 0.0 and tpot < inf and d.output_tokens > 1.0:
-            own = max(tpot95, _tpot95_tail(costs.decode_step_s + g * batch, tpot, rho_p, prefill_m2, d.output_tokens,
-                                           jumps))
-        classes[d.name] = ClassPrediction(ttft, own if decode_side else 0.0)
-    # KV
-    kv_usage = None
-    if decode_side and costs.kv_tokens:
-        prefilling = lam * sum(w * s for w, s in zip(weight, services)) if prefill_side else 0.0
-        kv_usage = inf if batch == inf else (batch + prefilling) * context / costs.kv_tokens
-    utilisation = max(prefill_util, decode_util)
-    meets = {"prefill_compute": True, "decode_compute": True, "kv_memory": True}
-    for d in demand:
+    classes = {}
+    for d, s, ttft in zip(demand, services, base):
+        own = step.tpot95
+        if rho_p > 0.0 and step.tpot < math.inf and d.output_tokens > 1.0:
+            own = max(step.tpot95, _tpot95_tail(costs.decode_step_s + g * step.batch, step.tpot, rho_p, prefill_m2,
+                                                d.output_tokens, jumps))
+        classes[d.name] = ClassPrediction(ttft + slot_wait95, own if decode_side else 0.0)
+    return classes
+
+
+def _meets(demand: Sequence[ClassDemand], classes: dict[str, ClassPrediction], base: Sequence[float],
+           sides: tuple[bool, bool], utils: tuple[float, float, float], slots_known: bool,
+           params: SizingParams) -> dict[str, bool]:
+    """Which constraints hold: `prefill_compute` the TTFT targets without the wait for a slot, `batch_slots` with
+    it (and slots not full), `decode_compute` the TPOT targets; classes without a target keep the load below
+    `max_utilisation`."""
+    prefill_side, decode_side = sides
+    prefill_util, decode_util, slot_util = utils
+    meets = {"prefill_compute": True, "decode_compute": True, "kv_memory": True, "batch_slots": True}
+    untargeted_ttft = any(d.ttft_p95_s is None for d in demand)
+    for d, ttft in zip(demand, base):
         p = classes[d.name]
-        if prefill_side and d.ttft_p95_s is not None and p.ttft_p95_s > d.ttft_p95_s:
+        if prefill_side and d.ttft_p95_s is not None and ttft > d.ttft_p95_s:
             meets["prefill_compute"] = False
+        if slots_known and d.ttft_p95_s is not None and p.ttft_p95_s > d.ttft_p95_s:
+            meets["batch_slots"] = False
         if decode_side and d.tpot_p95_s is not None and p.tpot_p95_s > d.tpot_p95_s:
             meets["decode_compute"] = False
-    if prefill_side and prefill_util > params.max_utilisation and any(d.ttft_p95_s is None for d in demand):
+    if prefill_side and prefill_util > params.max_utilisation and untargeted_ttft:
         meets["prefill_compute"] = False
     if decode_side and decode_util > params.max_utilisation and any(d.tpot_p95_s is None for d in demand):
         meets["decode_compute"] = False
-    if kv_usage is not None and kv_usage > params.kv_limit:
-        meets["kv_memory"] = False
-    return Prediction(n, classes, utilisation, kv_usage, meets)
+    if slot_util >= 1.0 or (slot_util > params.max_utilisation and untargeted_ttft):
+        meets["batch_slots"] = False
+    return meets
+
+
+def saturated_floor(current: int, arrival_rate: float, completion_rate: float,
+                    params: SizingParams = SizingParams()) -> int:
+    """The replicas a pool role measured as saturated (its slots full, its queue growing) needs at least, whatever
+    the model predicts: one more than it runs, and as many as carry the arrival rate at the rate the running ones
+    complete requests, below `max_utilisation` (a saturated replica's completions are its throughput)."""
+    if current <= 0:
+        return 1
+    if completion_rate <= 0.0:
+        return current + 1
+    return max(current + 1, math.ceil(current * arrival_rate / (completion_rate * params.max_utilisation) - 1e-9))
 
 
 def _tpot95_tail(step: float, tpot: float, rho_p: float, prefill_m2: float, output_tokens: float,
@@ -334,7 +428,7 @@ def rising(trend: Trend, z: float = 1.0) -> bool:
 def scaled(demand: Sequence[ClassDemand], factor: float) -> list[ClassDemand]:
     """The same classes with their arrival rates × `factor`."""
     return [ClassDemand(d.name, d.rate * factor, d.prompt_tokens, d.uncached_tokens, d.output_tokens, d.ttft_p95_s,
-                        d.tpot_p95_s, d.queued) for d in demand]
+                        d.tpot_p95_s, d.queued, d.output_cv2) for d in demand]
 
 
 def risk_factor(role: str, demand: Sequence[ClassDemand], costs: EngineCosts, replicas: int,

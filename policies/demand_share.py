@@ -21,11 +21,17 @@ Merging, which is why the gateways agree:
 - slopes and their variances add up (a sum of independent arrival processes); measured p95s: the largest (a class
   at risk behind any gateway is at risk).
 
+JSON has no infinity (orjson writes null, which reads as "too few requests seen"): a measured p95 that is infinite
+(a class whose requests were refused for want of capacity) travels as the string "inf", which older readers'
+`float()` reads as infinity too. The output tokens' sum of squares (the answers' spread, for the wait for a batch
+slot) travels under its own key, which older readers ignore.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,7 +75,8 @@ class DemandShare:
     stable: dict[Key, StableShare] = field(default_factory=dict)  # (pool, role) → the signal's memory
     trends: dict[str, tuple[float, float]] = field(default_factory=dict)  # pool → arrival rate's (slope, variance)
     latency: dict[Key, tuple[float | None, float | None]] = field(default_factory=dict)  # (pool, class) → measured
-    # recent TTFT and TPOT p95 (seconds; None: too few requests seen)
+    # recent TTFT and TPOT p95 (seconds; None: too few requests seen; inf: refused for want of capacity)
+    output_sq: dict[Key, float] = field(default_factory=dict)  # (pool, class) → the window's Σ output tokens²
     gateways: int = 1  # how many gateways' shares this is the sum of
 
 
@@ -97,7 +104,8 @@ def encode(share: DemandShare) -> bytes:
         "s": [[pool, role, s.desired, round(s.since_change_s, 2), [[round(a, 2), n] for a, n in s.history]]
               for (pool, role), s in sorted(share.stable.items())],
         "t": [[pool, slope, variance] for pool, (slope, variance) in sorted(share.trends.items())],
-        "l": [[pool, cls, ttft, tpot] for (pool, cls), (ttft, tpot) in sorted(share.latency.items())],
+        "l": [[pool, cls, _wire(ttft), _wire(tpot)] for (pool, cls), (ttft, tpot) in sorted(share.latency.items())],
+        "q": [[pool, cls, sq] for (pool, cls), sq in sorted(share.output_sq.items())],
     })
 
 
@@ -127,6 +135,8 @@ def decode(blob: bytes) -> DemandShare:
             share.trends[str(pool)] = (float(slope), float(variance))
         for pool, cls, ttft, tpot in raw.get("l", ()):
             share.latency[(str(pool), str(cls))] = (_maybe(ttft), _maybe(tpot))
+        for pool, cls, sq in raw.get("q", ()):  # absent from a gateway that publishes no spread
+            share.output_sq[(str(pool), str(cls))] = float(sq)
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed demand share: {exc}") from exc
     return share
@@ -145,6 +155,8 @@ def merge(shares: Sequence[DemandShare]) -> DemandShare:
                 total[i] += v
         for key, n in share.queued.items():
             out.queued[key] = out.queued.get(key, 0.0) + n
+        for key, sq in share.output_sq.items():
+            out.output_sq[key] = out.output_sq.get(key, 0.0) + sq
         for key, tokens in share.backlog.items():
             out.backlog[key] = out.backlog.get(key, 0.0) + tokens
         for key, stable in share.stable.items():
@@ -180,7 +192,14 @@ def _weighted(points: Sequence[tuple[tuple[float, ...], float]]) -> tuple[float,
     return tuple(sum(v[i] * w for v, w in points) / total for i in range(width))
 
 
-def _maybe(value: float | None) -> float | None:
+def _wire(value: float | None) -> float | str | None:
+    """A p95 as JSON can carry it: a non-finite one as a string `float()` reads back."""
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+def _maybe(value: float | str | None) -> float | None:
+    if isinstance(value, str) and value not in ("inf", "-inf", "nan"):
+        raise ValueError(f"malformed demand share: latency {value!r}")
     return None if value is None else float(value)
 
 

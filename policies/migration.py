@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
+
 from policies.m3_stream import ParserState, initial_state
+from policies.vllm_wire import continuation_body, splice_prompt
 
 # Sampling and output fields a continuation keeps as the client sent them (everything else is rebuilt).
 SAMPLING_FIELDS = (
@@ -60,19 +63,19 @@ def resume_body(body: dict[str, Any], api: str, model: str, context: list[int], 
     """The `/v1/completions` body that continues `body`'s answer after `done` generated tokens; `context` is the
     prompt's ids followed by those tokens. Chat's M3 parser keeps special tokens (the markers must come back as
     text); completions keep the client's choice."""
-    out: dict[str, Any] = {"model": model, "prompt": context, "stream": True,
-                           "stream_options": {"include_usage": True}, "return_token_ids": True}
-    for key in SAMPLING_FIELDS:
-        if key in body:
-            out[key] = body[key]
     budget = output_budget(body, api)
-    if budget is not None:
-        out["max_tokens"] = budget - done
     min_tokens = body.get("min_tokens")
-    if isinstance(min_tokens, int) and min_tokens > 0:
-        out["min_tokens"] = max(0, min_tokens - done)
-    out["skip_special_tokens"] = body.get("skip_special_tokens", True) if api == "completions" else False
-    return out
+    return continuation_body(
+        {key: body[key] for key in SAMPLING_FIELDS if key in body}, model, context,
+        budget - done if budget is not None else None,
+        max(0, min_tokens - done) if isinstance(min_tokens, int) and min_tokens > 0 else None,
+        body.get("skip_special_tokens", True) if api == "completions" else False)
+
+
+def resume_payload(body: dict[str, Any], api: str, model: str, prompt_ids: bytes, generated: list[int]) -> bytes:
+    """`resume_body` as bytes, its prompt spliced from `prompt_ids` (the prompt's ids as JSON text, no brackets)
+    followed by the `generated` ids."""
+    return splice_prompt(orjson.dumps(resume_body(body, api, model, [], len(generated))), prompt_ids, generated)
 
 
 def nothing_left(body: dict[str, Any], api: str, done: int) -> bool:
@@ -105,14 +108,19 @@ class Cut:
     state: ParserState
 
 
-def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: int = 0) -> Cut:
+def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, complete: bool = False,
+             tool_index: int = 0) -> Cut:
     """The resume point of a chat stream from the chunks the client saw (vLLM parsed them: only their deltas are
     known). Chunks held back (empty delta) are regenerated. Greedy, the last text chunk is regenerated too and its
-    text suppressed, so a marker inside it (`</mm:think>` in the same step as the last reasoning) is read again;
-    otherwise the stream resumes after it, in the kind of text it showed. A tool call whose arguments the client
-    has not seen is regenerated from its `<invoke>` on, its announcement not repeated. `marks`: the client's chunks
-    since the last text chunk (or all), in order; `tool_index`: tool calls completed before them."""
+    text suppressed, so a marker inside it (`</mm:think>` in the same step as the last reasoning) is read again:
+    from the answer's start when it is the first chunk shown (`complete`: `marks` begin with the answer, then the
+    state there is known exactly), from the end of the chunk before it when chunks held back in between belong to
+    its text (same kind), else from its own start. Otherwise the stream resumes after it, in the kind of text it
+    showed. A tool call whose arguments the client has not seen is regenerated from its `<invoke>` on, its
+    announcement not repeated. `marks`: the client's chunks since the last text chunk (or all), in order;
+    `tool_index`: tool calls completed before them."""
     done, state, announced, seen = 0, initial_state(thinking_mode), 0, False
+    first, previous = complete, None  # no chunk shown before this one; the one shown before it, and its kind
     for mark in marks:
         delta = mark.delta
         reasoning, content = delta.get("reasoning") or "", delta.get("content") or ""
@@ -120,8 +128,13 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
         if reasoning or content:
             kind = "reasoning" if reasoning else "content"
             seen = seen or bool(reasoning)  # reasoning shown: the answer's `<mm:think>` (if it wrote one) is behind
-            if greedy:
-                done = mark.before
+            if greedy and first:
+                done = 0
+                state = replace(initial_state(thinking_mode), suppress_reasoning=len(reasoning),
+                                suppress_content=len(content))
+            elif greedy:
+                joined = previous is not None and previous[1] == kind and previous[0].after < mark.before
+                done = previous[0].after if joined and previous is not None else mark.before
                 state = ParserState(mode=kind, suppress_reasoning=len(reasoning), suppress_content=len(content),
                                     tool_index=tool_index, think_seen=seen)
             else:
@@ -129,6 +142,7 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
                 state = ParserState(mode="content" if content else "reasoning", tool_index=tool_index,
                                     think_seen=seen)
             announced = 0
+            previous = (mark, "content" if content else kind)
         for call in calls:
             function = call.get("function") or {}
             if function.get("name"):
@@ -136,6 +150,8 @@ def chat_cut(marks: list[Mark], thinking_mode: Any, greedy: bool, tool_index: in
             if function.get("arguments") is not None:
                 done, tool_index, announced = mark.after, tool_index + 1, max(0, announced - 1)
                 state = ParserState(mode="tools", tool_index=tool_index, tools_called=True)
+            previous = (mark, "tools")
+        first = first and not (reasoning or content or calls)
     return Cut(done, _with_announced(state, announced))
 
 

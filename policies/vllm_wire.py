@@ -1,8 +1,9 @@
 """vLLM's request and response shapes that the gateway writes or reads itself, in one place.
 
 The gateway relays bodies byte for byte; it only builds or reads a few of vLLM's shapes on its own: the usage of an
-answer (token counts, in each API's shape), the `/tokenize` body that counts a generate request's prompt exactly, and
-the prefill request of disaggregated serving (NIXL's KV-transfer protocol, as vLLM's toy proxy
+answer (token counts, in each API's shape), the `/tokenize` body that counts a generate request's prompt exactly (and
+its answer's ids), a resumed stream's chunks, usage chunk and token-id continuation request, and the prefill request
+of disaggregated serving (NIXL's KV-transfer protocol, as vLLM's toy proxy
 `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py` speaks it). Each copy of one of these shapes elsewhere
 would drift from vLLM on its own (reference: /work/shared/reference/vllm-contract.md, sections 1, 2 and 10). It also
 reads the signs of a replica shutting down (SIGTERM with `--shutdown-timeout`, docs/stream-migration.md section 5), so
@@ -12,6 +13,7 @@ the gateway drains it instead of counting its refusals as failures.
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -20,12 +22,22 @@ import orjson
 __all__ = [
     "PREFILL_KV_PARAMS",
     "SHUTDOWN_REFUSAL",
+    "STREAM_DONE",
+    "chat_chunk",
+    "completion_chunk",
+    "continuation_body",
+    "event_json",
+    "splice_prompt",
+    "sse_event",
+    "stream_usage",
+    "usage_chunk",
     "connection_refused",
     "decode_body",
     "health_says_draining",
     "prefill_body",
     "refuses_new_requests",
     "tokenize_body",
+    "tokenize_ids",
     "usage_counts",
     "usage_of",
 ]
@@ -101,6 +113,90 @@ def tokenize_body(body: Mapping[str, Any], api: str, model: str) -> dict[str, An
             out["add_special_tokens"] = body["add_special_tokens"]
         return out
     return None
+
+
+_TOKENS = re.compile(rb'"tokens"\s*:\s*\[')
+_NOT_IDS = b"0123456789, \n"
+
+
+def tokenize_ids(answer: bytes) -> bytes | None:
+    """The ids of a /tokenize answer as their JSON text (no brackets), or None when it is not a well-formed answer
+    with at least one id. Read as bytes, never as a list: a 1M-token prompt's ids are spliced, not converted."""
+    found = _TOKENS.search(answer, 0, 4096)
+    if found is None:
+        return None
+    start = found.end()
+    end = answer.find(b"]", start)
+    ids = answer[start:end].strip() if end > start else b""
+    if not ids or ids.translate(None, _NOT_IDS) or b",," in ids or ids.startswith(b",") or ids.endswith(b","):
+        return None
+    return ids
+
+
+# Stream shapes a resumed stream writes itself (gateway/migration/): its chunks, its usage, its continuation --------
+
+def event_json(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of one SSE event (`data: {...}`), or None ([DONE], anything else)."""
+    at = event.find(b"data:")
+    try:
+        obj = orjson.loads(event[at + 5:]) if at >= 0 else None
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def sse_event(obj: Mapping[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+STREAM_DONE = b"data: [DONE]\n\n"
+
+
+def chat_chunk(head: Mapping[str, Any], delta: Mapping[str, Any], finish: str | None) -> dict[str, Any]:
+    """A chat stream chunk of one choice: `head` is the stream's id, created, model."""
+    return {"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **head}
+
+
+def completion_chunk(head: Mapping[str, Any], text: str, finish: str | None) -> dict[str, Any]:
+    return {"object": "text_completion", "choices": [
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **head}
+
+
+def stream_usage(prompt: int, completion: int) -> dict[str, int]:
+    """A stream's usage counts, as vLLM's usage chunk carries them."""
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def usage_chunk(head: Mapping[str, Any], api: str, usage: Mapping[str, Any]) -> dict[str, Any]:
+    """The usage-only chunk (`choices: []`) that ends a chat or completions stream before [DONE]."""
+    kind = "chat.completion.chunk" if api == "chat" else "text_completion"
+    return {"object": kind, "choices": [], "usage": usage, **head}
+
+
+def continuation_body(fields: Mapping[str, Any], model: str, context: list[int], max_tokens: int | None,
+                      min_tokens: int | None, skip_special_tokens: bool) -> dict[str, Any]:
+    """The `/v1/completions` request that continues an answer token for token: `context` is the prompt's ids then
+    the ids generated so far; `fields`: the sampling fields kept as the client sent them; streamed, with its usage
+    and its token ids."""
+    out: dict[str, Any] = {"model": model, "prompt": context, "stream": True,
+                           "stream_options": {"include_usage": True}, "return_token_ids": True, **fields}
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    if min_tokens is not None:
+        out["min_tokens"] = min_tokens
+    out["skip_special_tokens"] = skip_special_tokens
+    return out
+
+
+def splice_prompt(body: bytes, prompt_ids: bytes, generated: list[int]) -> bytes:
+    """`body` (a continuation_body with an empty `prompt`) with its prompt spliced in as bytes: `prompt_ids`, the
+    prompt's ids as JSON text without brackets (as /tokenize sent them: a 1M-token prompt never becomes a Python
+    list), then the `generated` ids."""
+    at = body.index(b'"prompt":[]') + 10
+    ids = orjson.dumps(generated)[1:-1]
+    joined = prompt_ids + b"," + ids if prompt_ids and ids else prompt_ids or ids
+    return b"".join((body[:at], joined, body[at:]))
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.vllm_wire import connection_refused, health_says_draining, refuses_new_requests
+from policies.vllm_wire import health_says_draining
+from pools.replica_tokenize import post_tokenize
 from pools.replicas import Replica, ScrapedLoad
 from pools.tasks import cancel_and_wait
 
@@ -111,16 +112,12 @@ class ReplicaMonitor:
         """Whether a replica that was shutting down takes requests again (a new process at its URL): a /tokenize,
         which vLLM refuses as it refuses a generate request while it shuts down, answered with anything but that
         refusal or a 5xx. Then it is back in rotation."""
-        try:
-            async with self._session.post(replica.url + "/tokenize", data=_PROBE, timeout=self._timeout,
-                                          headers={**headers, "content-type": "application/json"}) as resp:
-                body = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            if not connection_refused(exc):
-                log.debug("drain probe of %s failed: %r", replica.url, exc)
+        answer = await post_tokenize(self._session, replica.url, _PROBE, headers, self._timeout.total or 2.0)
+        if not answer.status:
+            if not answer.refused:
+                log.debug("drain probe of %s failed: %r", replica.url, answer.error)
             return False
-        if refuses_new_requests(status, body) or status >= 500:
+        if answer.shutting_down or answer.status >= 500:
             return False
         replica.stop_draining()
         return True

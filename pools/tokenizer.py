@@ -41,6 +41,7 @@ import orjson
 
 from policies.vllm_hash import block_hashes
 from policies.vllm_wire import tokenize_body
+from pools.replica_tokenize import post_tokenize
 
 __all__ = [
     "LocalTokenizer",
@@ -194,8 +195,8 @@ class ReplicaTokenizer:
     ) -> None:
         self._session = session
         self._model = model
-        self._headers = {"content-type": "application/json", **(headers or {})}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = dict(headers or {})
+        self._timeout_s = timeout_s
 
     @staticmethod
     def payload(body: Mapping[str, Any], api: str, model: str) -> dict[str, Any] | None:
@@ -206,19 +207,9 @@ class ReplicaTokenizer:
         payload = self.payload(body, api, self._model)
         if payload is None or replica_url is None:
             return None
-        try:
-            async with self._session.post(
-                replica_url + "/tokenize", data=orjson.dumps(payload), headers=self._headers, timeout=self._timeout
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                data = orjson.loads(await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, orjson.JSONDecodeError):
-            return None
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(tokens, list):
-            return None
-        return tokens, False
+        answer = await post_tokenize(self._session, replica_url, orjson.dumps(payload), self._headers, self._timeout_s)
+        tokens = answer.tokens()
+        return (tokens, False) if tokens is not None else None
 
 
 @dataclass(frozen=True, slots=True)

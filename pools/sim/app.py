@@ -477,9 +477,14 @@ class SimApp:
     def _token_ids(wanted: bool | None, prompt: Prompt) -> dict[str, Any]:
         return {"return_token_ids": True, "prompt_ids": prompt.tokens.ids()} if wanted else {}
 
-    def _respond(self, gen: Generation, shape: Any) -> Response:
+    def _respond(self, gen: Generation, shape: Any, request: Request) -> Response:
+        """The generation's response, cut after some chunks when the faults say so, or when the request's own
+        `x-sim-drop-after-chunks` header does (a test cutting one stream at an exact event)."""
         fixed = self.faults.current.drop_after_chunks
         drop_after = (2 + (gen.sim.prompt_tokens % 3) if fixed is None else fixed) if self.faults.should_drop() else None
+        asked = request.headers.get("x-sim-drop-after-chunks")
+        if asked is not None and asked.isdigit():
+            drop_after = int(asked)
         return GenerationResponse(self, gen, shape, drop_after)
 
     # ---- generate routes -------------------------------------------------------------------------------------
@@ -529,7 +534,7 @@ class SimApp:
             multimodal_tokens=mm_tokens or None, **self._token_ids(req.return_token_ids, prompt))
         if tools:
             gen.tool_parsing = "chat_completions"
-        return self._respond(gen, ChatShape)
+        return self._respond(gen, ChatShape, request)
 
     async def completions(self, request: Request) -> Response:
         arrival = self.engine.clock()  # vLLM's arrival time: before parsing and tokenizing
@@ -574,7 +579,7 @@ class SimApp:
             plan_kwargs={**plan_kwargs, "ignore_eos": req.ignore_eos},
             include_usage=req.include_usage, continuous_usage=req.continuous_usage, logprobs=req.num_logprobs,
             echo_prompt=(p if isinstance(p, str) else self.tokenizer.decode(list(p))) if req.echo else None)
-        return self._respond(gen, CompletionShape)
+        return self._respond(gen, CompletionShape, request)
 
     async def _validated(self, request: Request, model_cls: type[Any]) -> tuple[float, Any, str]:
         """(arrival, the validated request, the model name) for the Responses and Messages routes: vLLM's arrival
@@ -613,7 +618,7 @@ class SimApp:
                   else None})
         if tools:
             gen.tool_parsing = "responses"
-        return self._respond(gen, ResponsesShape)
+        return self._respond(gen, ResponsesShape, request)
 
     async def messages(self, request: Request) -> Response:
         arrival, req, model = await self._validated(request, MessagesRequest)
@@ -644,7 +649,7 @@ class SimApp:
             plan_kwargs={"chat": True, "thinking_mode": mode, "tools": tools, "tool_choice": tool_choice,
                          "structured": constraint},
             cache_block_size=self.settings.block_size if self.settings.enable_prefix_caching else 0)
-        return self._respond(gen, MessagesShape)
+        return self._respond(gen, MessagesShape, request)
 
     # ---- other vLLM routes -----------------------------------------------------------------------------------
 

@@ -199,9 +199,12 @@ class Engine:
 
     def shutdown_abort(self, req: SimRequest) -> None:
         """The replica is shutting down (SIGTERM with --shutdown-timeout 0, or a request arriving while it
-        drains): finish the request with "abort"; its stream still ends properly."""
+        drains): finish the request with "abort"; its stream still ends properly, its last chunk carrying the
+        token of the step that was running (vLLM's abort output is the last delta: text and ids)."""
         if req.status in ("waiting", "loading", "running"):
             req.server_abort = True
+            if req.status == "running" and 0 < req.num_output < req.output_tokens - 1:
+                req.num_output += 1  # the step in flight: vLLM's abort output carries its token (the last delta)
             self._finish(req, "abort", self.clock())
 
     def kill(self, req: SimRequest) -> None:

@@ -154,6 +154,12 @@ async def wait_finished(gen: Generation) -> None:
         await wake.wait()
 
 
+def _before_abort(gen: Generation, sent: int, upto: int) -> int:
+    """How far a stream's token chunks go: a shutdown's abort chunk carries the last token itself (vLLM's abort
+    output is the step's delta), so it is left out of the token chunks."""
+    return upto - 1 if gen.server_aborted and upto > sent else upto
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -300,6 +306,7 @@ class ChatShape:
                     yield chunk
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total = choice.plan.total_tokens
+                upto = _before_abort(gen, sent[choice.index], upto)
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
                     delta = ChatShape.delta(gen, i, choice)
@@ -324,11 +331,8 @@ class ChatShape:
             if not started:  # the first engine output is the abort: the role chunk still goes out
                 for chunk in ChatShape._role_chunks(gen, head):
                     yield chunk
-            for choice in gen.choices:
-                if choice.sim.num_output:  # vLLM skips an empty output, so an answer with no token has no end
-                    yield _sse({**head, "choices": [{
-                        "index": choice.index, "delta": {}, "logprobs": None, "finish_reason": "abort",
-                        "stop_reason": None, "token_ids": [] if with_ids else None}]})
+            for chunk in ChatShape._abort_chunks(gen, head, sent, with_ids):
+                yield chunk
         elif gen.failed:  # the engine's first output is the error: role chunks, then the error event
             if not started:
                 for chunk in ChatShape._role_chunks(gen, head):
@@ -340,6 +344,20 @@ class ChatShape:
             yield _sse({**head, "choices": [], "usage": chat_usage(gen, streaming=True),
                         "system_fingerprint": gen.system_fingerprint})
         yield DONE
+
+    @staticmethod
+    def _abort_chunks(gen: Generation, head: dict[str, Any], sent: list[int], with_ids: bool) -> list[bytes]:
+        """A shutdown's abort chunk per choice, carrying the last delta (the token the stream has not sent); vLLM
+        skips an empty output, so an answer with no token has no end."""
+        chunks = []
+        for choice in gen.choices:
+            if choice.sim.num_output:
+                last = range(sent[choice.index], choice.sim.num_output)
+                delta = {} if not last else ChatShape.delta(gen, last[0], choice) or {}
+                chunks.append(_sse({**head, "choices": [{
+                    "index": choice.index, "delta": delta, "logprobs": None, "finish_reason": "abort",
+                    "stop_reason": None, "token_ids": [choice.plan.token_id(i) for i in last] if with_ids else None}]}))
+        return chunks
 
     @staticmethod
     def _role_chunks(gen: Generation, head: dict[str, Any]) -> list[bytes]:
@@ -402,6 +420,7 @@ class CompletionShape:
                 return
             for choice, upto in zip(gen.choices, counts, strict=True):
                 total, off = choice.sim.output_tokens, choice.offset
+                upto = _before_abort(gen, sent[choice.index], upto)
                 for i in range(sent[choice.index], upto):
                     last = i == total - 1
                     text = choice.plan.raw_piece(off + i)
@@ -428,12 +447,8 @@ class CompletionShape:
         if gen.client_gone:
             return
         if gen.server_aborted:
-            for choice in gen.choices:
-                if choice.sim.num_output:
-                    yield _sse({**head, "choices": [{
-                        "index": choice.index, "text": "", "logprobs": None, "finish_reason": "abort",
-                        "stop_reason": None, "prompt_token_ids": None,
-                        "token_ids": [] if gen.return_token_ids else None}]})
+            for chunk in CompletionShape._abort_chunks(gen, head, sent):
+                yield chunk
         elif gen.failed:
             yield STREAM_ERROR
             yield DONE
@@ -442,6 +457,20 @@ class CompletionShape:
             yield _sse({**head, "choices": [], "usage": completion_usage(gen, streaming=True),
                         "system_fingerprint": gen.system_fingerprint})
         yield DONE
+
+    @staticmethod
+    def _abort_chunks(gen: Generation, head: dict[str, Any], sent: list[int]) -> list[bytes]:
+        """A shutdown's abort chunk per choice that has output, carrying the last delta (text and ids)."""
+        chunks, ids = [], gen.return_token_ids
+        for choice in gen.choices:
+            if choice.sim.num_output:
+                last = range(sent[choice.index], choice.sim.num_output)
+                chunks.append(_sse({**head, "choices": [{
+                    "index": choice.index, "text": "".join(choice.plan.raw_piece(choice.offset + i) for i in last),
+                    "logprobs": None, "finish_reason": "abort", "stop_reason": None,
+                    "prompt_token_ids": gen.prompt_ids if ids and not sent[choice.index] else None,
+                    "token_ids": [choice.plan.token_id(choice.offset + i) for i in last] if ids else None}]}))
+        return chunks
 
     @staticmethod
     def body(gen: Generation) -> bytes:

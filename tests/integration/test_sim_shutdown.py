@@ -95,6 +95,9 @@ def test_without_a_shutdown_timeout_streams_in_flight_are_aborted() -> None:
     try:
         reader.join(10)
         assert reader.finish_reasons() == ["abort"] and reader.lines[-1] == "[DONE]"
+        chunks = [json.loads(ln) for ln in reader.lines[:-1]]
+        abort = next(c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+        assert abort["delta"].get("content") or abort["delta"].get("reasoning")  # vLLM's abort carries the last delta
         with pytest.raises(httpx.ConnectError):
             httpx.get(sim.url + "/health", timeout=2)
         assert sim._proc.wait(5) == 0  # type: ignore[union-attr]

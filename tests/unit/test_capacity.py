@@ -13,7 +13,7 @@ import pytest
 
 from policies.capacity import (
     ClassDemand, EngineCosts, SizingParams, Stabilizer, Trend, arrival_trend, lead_factor, predict, rising, risk_factor,
-    scaled, size,
+    saturated_floor, scaled, size,
 )
 from policies.latency_model import DecodeCost
 
@@ -302,3 +302,48 @@ def test_a_prefill_pile_up_at_the_replicas_asks_for_more_before_any_answer_shows
     piled = size("both", demand, COSTS, prefill_backlog=24 * 8000)  # 24 long prompts sent, none prefilled yet
     assert piled.replicas > calm.replicas and piled.bottleneck == "prefill_compute"
     assert size("both", demand, COSTS, prefill_backlog=2000).replicas == calm.replicas  # a normal in-flight share
+
+
+# one replica as an operator ran it: --max-num-seqs 4, 40 ms steps, 100-token answers (4 s each: ~1 request/s)
+FOUR_SLOTS = EngineCosts(prefill_step_s=0.02, prefill_s_per_1k=0.06, decode_step_s=0.04, decode_s_per_seq=0.0,
+                         decode_s_per_seq_1k=0.0, max_num_seqs=4)
+
+
+def short_answers(rate: float, spread: float = 0.0) -> list[ClassDemand]:
+    return [ClassDemand("interactive", rate, 30.0, 30.0, 100.0, ttft_p95_s=1.0, output_cv2=spread)]
+
+
+def test_the_slot_limit_bounds_the_batch_a_full_replica_cannot_keep_up() -> None:
+    blind = EngineCosts(**{**_fields(FOUR_SLOTS), "max_num_seqs": None})
+    # 1.75 requests/s hold 7 sequences of a replica that runs 4: its queue grows without bound
+    full = predict("both", short_answers(1.75), FOUR_SLOTS, 1)
+    assert math.isinf(full.classes["interactive"].ttft_p95_s) and full.utilisation > 1.0 and not full.ok()
+    sized = size("both", short_answers(1.75), FOUR_SLOTS)
+    assert sized.replicas >= 2 and sized.bottleneck == "batch_slots"
+    assert_minimal("both", short_answers(1.75), FOUR_SLOTS, sized.replicas)
+    # the compute model alone sees a nearly idle replica (what the signal said: utilisation 0.16, TTFT 0.05 s)
+    assert size("both", short_answers(1.75), blind).replicas == 1
+    assert predict("both", short_answers(1.75), blind, 1).utilisation < 0.2
+    # 0.4× the replica's rate: 1.6 slots busy, equal answers rarely wait
+    assert size("both", short_answers(0.4), FOUR_SLOTS).replicas == 1
+    # the batch at its 95th percentile never exceeds the slots: the TPOT tail is the step of a full batch at most
+    # (a mean batch of 2.2 sequences is 4.7 at its p95 unbounded)
+    per_seq = EngineCosts(**{**_fields(FOUR_SLOTS), "decode_s_per_seq": 0.002, "prefill_s_per_1k": 0.0})
+    assert predict("both", short_answers(0.5), per_seq, 1).classes["interactive"].tpot_p95_s \
+        == pytest.approx(0.04 + 4 * 0.002)
+
+
+def test_answers_of_unequal_length_wait_longer_for_a_slot() -> None:
+    equal = predict("both", short_answers(0.6, spread=0.0), FOUR_SLOTS, 1).classes["interactive"].ttft_p95_s
+    exponential = predict("both", short_answers(0.6, spread=1.0), FOUR_SLOTS, 1).classes["interactive"].ttft_p95_s
+    assert 0.0 < equal < exponential
+    assert size("both", short_answers(0.6, spread=4.0), FOUR_SLOTS).replicas \
+        >= size("both", short_answers(0.6, spread=0.0), FOUR_SLOTS).replicas
+
+
+def test_a_saturated_pool_needs_at_least_one_more_and_what_carries_the_arrivals() -> None:
+    # one replica completing 1 request/s while 1.75/s arrive: 2 carry it below 90 % busy
+    assert saturated_floor(1, 1.75, 1.0) == 2
+    assert saturated_floor(2, 6.0, 2.0) == 7  # 3 req/s a replica, 6/s arrive: ceil(2 × 3 / 0.9)
+    assert saturated_floor(3, 1.0, 1.0) == 4  # a standing queue at the rate it completes: one more at least
+    assert saturated_floor(1, 2.0, 0.0) == 2 and saturated_floor(0, 2.0, 0.0) == 1

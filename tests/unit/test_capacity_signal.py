@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
 from gateway.record import RequestRecord
+from pools.replicas import ScrapedLoad
 from policies.capacity import ClassDemand, EngineCosts, size
 from policies.config import GatewayConfig
 
@@ -118,9 +119,8 @@ def test_the_gauge_sits_beside_the_pools_replica_count_with_one_series_per_role(
     gw = app.state.gateway
     t0 = gw.clock()
     _feed(app, t0, rate=4, seconds=3)
-    # the first window only measures: nothing is published yet (a fresh gateway has seen too little)
-    assert not any(name == "m3gate_pool_desired_replicas" for name, _ in _metrics(app))
-    assert gw.capacity.entries[("chat", "both")]["desired"] is None
+    # the first window only measures: it asks for no fewer replicas than serve (a fresh gateway has seen too little)
+    assert gw.capacity.entries[("chat", "both")]["desired"] == 2
     _feed(app, t0, rate=4, seconds=9, start=3)
     metrics = _metrics(app)
     desired = {labels: v for (name, labels), v in metrics.items() if name == "m3gate_pool_desired_replicas"}
@@ -189,3 +189,133 @@ def _demand_of(entry: dict, factor: float = 1.0) -> ClassDemand:  # type: ignore
 
 def _costs_of(entry: dict) -> EngineCosts:  # type: ignore[type-arg]
     return EngineCosts(**entry["costs"])
+
+
+def _refusal(pool: str, cls: str, at: float, status: int, code: str) -> RequestRecord:
+    return RequestRecord(api="chat", stream=True, t_arrival=at, pool=pool, traffic_class=cls, status=status,
+                         error=code, prompt_tokens_est=4000, t_last_byte=at + 0.001)
+
+
+def _with_refusals(status: int, code: str, every: int = 3) -> dict:  # type: ignore[type-arg]
+    """6 answered requests a second for 12 s (two replicas meet the targets), and a refusal per `every`."""
+    app = build_app(GatewayConfig.model_validate(CONFIG))
+    gw = app.state.gateway
+    t0 = gw.clock()
+    for s in range(12):
+        for i in range(6):
+            at = t0 + s + i / 6
+            gw.capacity.observe(_record("chat", "interactive", at, 4000, 2500, 400, replica="http://127.0.0.1:9"))
+            if status and i % every == 0:
+                gw.capacity.observe(_refusal("chat", "interactive", at, status, code))
+        gw.capacity.tick(t0 + s + 1)
+    return gw.capacity.entries[("chat", "both")]
+
+
+def test_only_refusals_for_want_of_capacity_are_misses_and_client_errors_are_not_demand() -> None:
+    served = _with_refusals(0, "")
+    assert served["risk_factor"] == 1.0
+    # one key over its quota (one 429 per 3 served), or malformed requests: the replicas meet every target
+    for status, code in ((429, "rate_limit_exceeded"), (400, "invalid_request_error"), (413, "body_too_large")):
+        entry = _with_refusals(status, code)
+        assert entry["demand"]["interactive"]["rate_per_s"] == served["demand"]["interactive"]["rate_per_s"], code
+        assert entry["risk_factor"] == 1.0 and entry["needed_now"] == served["needed_now"], (code, entry)
+        assert entry["demand"]["interactive"]["measured_ttft_p95_s"] == pytest.approx(0.2), code
+    # a replica's failure (5xx): demand that came, not a latency the replicas gave
+    failed = _with_refusals(502, "upstream_error")
+    assert failed["demand"]["interactive"]["rate_per_s"] > served["demand"]["interactive"]["rate_per_s"]
+    assert failed["risk_factor"] == 1.0
+    # refused for want of capacity: demand, and misses of the target (p95 unbounded), so the signal rises
+    for status, code in ((429, "queue_full"), (429, "slo_unattainable"), (503, "queue_timeout"), (503, "no_capacity")):
+        entry = _with_refusals(status, code)
+        assert entry["demand"]["interactive"]["rate_per_s"] > served["demand"]["interactive"]["rate_per_s"], code
+        assert entry["risk_factor"] > 1.0 and entry["needed_now"] > served["needed_now"], (code, entry)
+
+
+def test_the_gauge_has_a_value_from_the_start_the_replicas_serving_within_the_bounds() -> None:
+    pools = [{**CONFIG["pools"][0], "capacity": {"min_replicas": 3, "max_replicas": 40}}, CONFIG["pools"][1]]
+    app = build_app(GatewayConfig.model_validate({**CONFIG, "pools": pools}))
+    desired = {labels: v for (name, labels), v in _metrics(app).items() if name == "m3gate_pool_desired_replicas"}
+    # no request, no tick: chat runs 2 but may not go below 3; the disaggregated pool's roles their own counts
+    assert desired == {(("pool", "chat"), ("role", "both")): 3.0, (("pool", "long"), ("role", "prefill")): 1.0,
+                       (("pool", "long"), ("role", "decode")): 2.0}
+    gw = app.state.gateway
+    gw.capacity.tick(gw.clock() + 1)  # an idle tick holds it
+    assert gw.capacity.desired()[("chat", "both")] == 3 and gw.capacity.entries[("chat", "both")]["desired"] == 3
+
+
+ONE_REPLICA = {**CONFIG, "pools": [{"name": "chat", "max_model_len": 32768, "endpoints": ["http://127.0.0.1:9"],
+                                    "capacity": {"min_replicas": 1, "max_replicas": 40}}],
+               "traffic": {"classes": {"interactive": {"targets": {"ttft_ms": {"p95": 1000}}}},
+                           "pool_classes": {"chat": "interactive"}}}
+
+
+def _non_streamed(at: float, queued_s: float, step_s: float = 0.04) -> RequestRecord:
+    sent = at + queued_s
+    return RequestRecord(
+        api="chat", stream=False, t_arrival=at, pool="chat", replica="http://127.0.0.1:9", traffic_class="interactive",
+        status=200, prompt_tokens_est=30, t_admitted=sent, t_sent=sent, t_headers=sent + 0.02 + 100 * step_s,
+        t_first_byte=sent + 0.02 + 100 * step_s, t_last_byte=sent + 0.02 + 100 * step_s,
+        usage={"prompt_tokens": 30, "completion_tokens": 100})
+
+
+def _saturating(waiting: list[float], running: float) -> dict:  # type: ignore[type-arg]
+    """One replica answering 1 non-streamed request a second; its scrapes say `running` and `waiting[s]`."""
+    app = build_app(GatewayConfig.model_validate(ONE_REPLICA))
+    gw = app.state.gateway
+    replica = gw.pools["chat"].replicas["http://127.0.0.1:9"]
+    t0 = gw.clock()
+    for s, queued in enumerate(waiting):
+        replica.scraped, replica.scraped_at = ScrapedLoad(waiting=queued, running=running, kv_usage=0.2), t0 + s
+        gw.capacity.observe(_non_streamed(t0 + s, 0.0))
+        gw.capacity.tick(t0 + s + 1)
+    return gw.capacity.entries[("chat", "both")]
+
+
+def test_full_slots_and_a_growing_queue_are_a_saturation_whatever_the_model_predicts() -> None:
+    calm = _saturating([0.0] * 12, running=2)
+    assert calm["desired"] == 1 and not calm["saturated"]
+    growing = _saturating([float(s) for s in range(12)], running=4)
+    assert growing["saturated"] and growing["desired"] >= 2, growing
+    assert growing["costs"]["max_num_seqs"] == 4  # learnt: it ran 4 while others waited
+    # a queue that drains is not a saturation
+    draining = _saturating([0.0] * 4 + [float(12 - s) for s in range(8)], running=4)
+    assert not draining["saturated"]
+
+
+def test_a_non_streamed_answer_counts_its_queue_time_and_teaches_the_decode_step() -> None:
+    app = build_app(GatewayConfig.model_validate(ONE_REPLICA))
+    gw = app.state.gateway
+    replica = gw.pools["chat"].replicas["http://127.0.0.1:9"]
+    replica.scraped = ScrapedLoad(waiting=0.0, running=1.0, kv_usage=0.1)
+    t0 = gw.clock()
+    for s in range(12):
+        for i in range(3):
+            gw.capacity.observe(_non_streamed(t0 + s + i / 3, 3.0))  # each waited 3 s in the gateway's queue
+        gw.capacity.tick(t0 + s + 1)
+    entry = gw.capacity.entries[("chat", "both")]
+    # no first token is seen, but it came 3 s at least after arrival: the 1 s target is missed as measured
+    assert entry["demand"]["interactive"]["measured_ttft_p95_s"] == pytest.approx(3.0)
+    # its time at the replica less the prefill is 100 decode steps of 40 ms: 3 such answers a second are more
+    # than one replica decodes (the model knew nothing of them before)
+    assert gw.capacity.decode_costs["chat"].seconds(1, 80) == pytest.approx(0.04, rel=0.2)
+    assert entry["desired"] >= 2 and entry["predicted"]["current"]["meets_targets"] is False
+
+
+def test_the_slot_limit_is_not_learnt_from_requests_waiting_for_kv_or_a_long_prefill() -> None:
+    app = build_app(GatewayConfig.model_validate(ONE_REPLICA))
+    gw = app.state.gateway
+    replica = gw.pools["chat"].replicas["http://127.0.0.1:9"]
+    t0 = gw.clock()
+    for s, (kv, unprefilled) in enumerate([(0.95, 0)] * 4 + [(0.2, 100_000)] * 4):
+        replica.scraped, replica.scraped_at = ScrapedLoad(waiting=3.0, running=2.0, kv_usage=kv), t0 + s
+        replica.prefill_tokens = unprefilled
+        gw.capacity.tick(t0 + s + 1)
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] is None
+    replica.prefill_tokens = 0
+    for s in range(8, 11):  # then it runs 2 while others wait, with room: its limit
+        replica.scraped, replica.scraped_at = ScrapedLoad(waiting=3.0, running=2.0, kv_usage=0.2), t0 + s
+        gw.capacity.tick(t0 + s + 1)
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] == 2
+    replica.scraped, replica.scraped_at = ScrapedLoad(waiting=0.0, running=5.0, kv_usage=0.2), t0 + 11
+    gw.capacity.tick(t0 + 12)  # it runs more: the limit was a lower bound, unknown again until seen full
+    assert gw.capacity.entries[("chat", "both")]["costs"]["max_num_seqs"] is None

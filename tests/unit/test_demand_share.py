@@ -123,3 +123,34 @@ def test_the_signal_memory_travels_as_its_peaks_only() -> None:
                 return max((n for t, n in points if t >= now - window), default=None)
             assert peak(kept) == peak(history), (now, window)
     assert peaks([(float(t), 4) for t in range(60)]) == ((59.0, 4),)  # steady: one point
+
+
+def test_a_class_failing_outright_stays_failing_on_the_other_gateways() -> None:
+    """A measured p95 that is infinite (the class's requests refused for want of capacity) is not "too few
+    requests seen" (None) once it crossed the wire, and merging keeps it as the largest."""
+    failing = _share(3.0, 30, 1000)
+    failing.latency[("chat", "interactive")] = (float("inf"), None)
+    failing.latency[("chat", "repository")] = (0.4, float("inf"))
+    back = decode(encode(failing))
+    assert back.latency[("chat", "interactive")] == (float("inf"), None)
+    assert back.latency[("chat", "repository")] == (0.4, float("inf"))
+    calm = _share(1.0, 10, 1000)
+    calm.latency[("chat", "interactive")] = (0.3, 0.02)
+    assert merge([calm, back]).latency[("chat", "interactive")] == (float("inf"), 0.02)
+    # JSON itself has no infinity: the wire carries a string that any reader's float() turns back into one
+    wire = orjson.loads(encode(failing))["l"]
+    assert ["chat", "interactive", "inf", None] in wire and float(wire[0][2]) == float("inf")
+    with pytest.raises(ValueError):
+        decode(orjson.dumps({**orjson.loads(encode(failing)), "l": [["chat", "interactive", "slow", None]]}))
+
+
+def test_the_answers_spread_travels_beside_the_six_sums_and_adds() -> None:
+    a, b = _share(3.0, 30, 1000), _share(1.0, 10, 5000)
+    key = ("chat", "interactive")
+    a.output_sq[key], b.output_sq[key] = 30 * 100.0 ** 2, 10 * 120.0 ** 2
+    back = decode(encode(a))
+    assert back.output_sq == a.output_sq and len(back.sums[key]) == 6  # an older reader's six sums, unchanged
+    assert merge([back, b]).output_sq[key] == 30 * 100.0 ** 2 + 10 * 120.0 ** 2
+    old = orjson.loads(encode(a))
+    del old["q"]  # an older gateway publishes none
+    assert decode(orjson.dumps(old)).output_sq == {}

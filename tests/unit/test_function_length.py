@@ -19,7 +19,6 @@ ALLOWED = frozenset({
     ("gateway/metrics.py", "RequestMetrics.__init__"),  # one line per metric family
     ("gateway/metrics.py", "RequestMetrics.observe"),
     ("gateway/metrics.py", "ReplicaCollector.collect"),
-    ("policies/capacity.py", "predict"),
     ("pools/shared_state.py", "RedisState.__init__"),
     ("pools/sim/cli.py", "add_arguments"),  # one call per flag
     ("pools/sim/engine.py", "Engine._schedule"),

@@ -1,4 +1,4 @@
-"""IdFilter (gateway/migration.py) relays a stream the same whether its events come one per read or many per read:
+"""IdFilter (gateway/migration/) relays a stream the same whether its events come one per read or many per read:
 the bulk path for plain token events must give the bytes, ids and cut context the per-event path gives."""
 
 from __future__ import annotations
@@ -76,8 +76,23 @@ def test_completions_bulk_and_per_event_agree() -> None:
     assert list(ref.ids) == [100 + i for i in range(30)]
 
 
-def test_abort_in_a_bulk_read_stops_relaying() -> None:
+def test_abort_in_a_bulk_read_stops_relaying_after_its_last_delta() -> None:
+    """vLLM's abort chunk carries the step's last delta: the client gets it (as a plain chunk), the cut counts it."""
     events = _chat_events([[100 + i] for i in range(20)], finish="abort")
     out, filt = _run(events, True, [b"".join(events)])
     assert filt.failure == "abort" and not filt.finished
-    assert b'"abort"' not in out and b"[DONE]" not in out and out.count(b'"token_ids":null') == 20
+    assert b'"abort"' not in out and b"[DONE]" not in out and out.count(b'"token_ids":null') == 21
+    assert out.endswith(b'"delta":{"content":"."},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n')
+    assert filt.ids[-1] == 99 and filt.recent_events()[-1][:2] == (20, 21)
+
+
+def test_a_completions_abort_chunk_with_text_is_relayed_and_an_empty_one_dropped() -> None:
+    for text, shown in (("tail", True), ("", False)):
+        events = _completion_events([[100 + i] for i in range(3)])
+        abort = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": "abort", "stop_reason": None,
+             "prompt_token_ids": None, "token_ids": [7] if text else []}]}
+        events.insert(3, b"data: " + orjson.dumps(abort) + b"\n\n")
+        out, filt = _run(events, False, [b"".join(events)])
+        assert filt.failure == "abort" and (b'"text":"tail","logprobs":null,"finish_reason":null' in out) == shown
+        assert list(filt.ids) == [100, 101, 102] + ([7] if text else []) and filt.prompt_tokens == 3

@@ -75,3 +75,34 @@ def test_chat_finish_reason_says_tool_calls_unless_a_function_was_named() -> Non
     assert chat_finish_reason({}, "stop", True) == "tool_calls"
     assert chat_finish_reason({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "stop", True) == "stop"
     assert chat_finish_reason({}, "length", False) == "length"
+
+
+def test_the_continuation_payload_splices_the_prompt_ids_as_bytes() -> None:
+    import orjson
+
+    from policies.migration import resume_body, resume_payload
+
+    body = {"model": "alias", "messages": [], "max_tokens": 10, "temperature": 0, "seed": 3}
+    spliced = resume_payload(body, "chat", "m", b"11,12,13", [900, 901])
+    assert orjson.loads(spliced) == resume_body(body, "chat", "m", [11, 12, 13, 900, 901], 2)
+    assert orjson.loads(resume_payload(body, "chat", "m", b"11", []))["prompt"] == [11]
+
+
+def test_greedy_the_answer_s_first_chunk_shown_is_regenerated_from_the_answer_s_start() -> None:
+    """The state before the first chunk shown is the answer's initial state (its `<mm:think>`, if it writes one,
+    is read again): the cut is the answer's start, that chunk's text suppressed."""
+    marks = [Mark(1, 2, {"reasoning": "Let"})]  # a held-back first token, then the first text
+    cut = chat_cut(marks, None, greedy=True, complete=True)
+    assert cut.done == 0 and cut.state.mode == "content" and cut.state.suppress_reasoning == 3
+    partial = chat_cut(marks, None, greedy=True, complete=False)  # earlier chunks unknown: regenerate this one
+    assert partial.done == 1 and partial.state.mode == "reasoning"
+
+
+def test_greedy_held_back_chunks_before_the_last_text_chunk_are_regenerated_with_it() -> None:
+    """A held-back `]` then a chunk showing `]x`: the held piece belongs to the text (same kind), so the cut is
+    before it; a change of kind means a marker was held back, so the cut is right before the last chunk."""
+    same = chat_cut([Mark(0, 1, {"content": "foo"}), Mark(2, 3, {"content": "]x"})], None, greedy=True)
+    assert same.done == 1 and same.state.mode == "content" and same.state.suppress_content == 2
+    switched = chat_cut([Mark(0, 1, {"reasoning": "hm"}), Mark(2, 3, {"content": "The"})], "enabled",
+                        greedy=True)
+    assert switched.done == 2 and switched.state.mode == "content" and switched.state.suppress_content == 3

@@ -50,3 +50,13 @@ def test_prefill_then_decode_bodies() -> None:
     decode = decode_body(body, params)
     assert decode["kv_transfer_params"] is params and decode["min_tokens"] == 10 and decode["max_tokens"] == 500
     assert "kv_transfer_params" not in body  # the client's body is left as it came
+
+
+def test_tokenize_ids_are_read_as_bytes_and_a_malformed_answer_gives_none() -> None:
+    from policies.vllm_wire import tokenize_ids
+
+    assert tokenize_ids(b'{"count":3,"max_model_len":8192,"tokens":[1,22,333],"token_strs":null}') == b"1,22,333"
+    assert tokenize_ids(b'{"count": 2, "tokens": [ 4, 5 ]}') == b"4, 5"
+    for malformed in (b"[1,2,3]", b"not json", b'{"count":3}', b'{"tokens":[]}', b'{"tokens":["a"]}',
+                      b'{"tokens":[1,,2]}', b'{"tokens":[1,2'):
+        assert tokenize_ids(malformed) is None, malformed

@@ -1,0 +1,81 @@
+"""`StallWatch`: one ticker for all live resumable streams (the package's docstring says where it fits)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.relay import Held, SseFilter
+from pools.replicas import Replica
+from pools.tasks import cancel_and_wait
+
+EJECTED_SILENCE_S = 1.0  # a stream this silent on an ejected or unhealthy replica is given up on
+
+
+class StallWatch:
+    """One ticker over every live resumable stream: closes a stream that has been silent longer than its stall
+    timeout, or for EJECTED_SILENCE_S while its replica is ejected or has failed more than one health probe in a
+    row (one failed probe — a busy replica's slow /health — is no sign of a dead one). A draining vLLM past its
+    --shutdown-timeout leaves the connection open and sends nothing; this is how that is noticed. Time the relay
+    spends waiting on a slow client (`SseFilter.waiting`) is no silence: the replica is not read then. The ticker
+    runs from `start` to `stop` (the app's lifespan): a task and a timer per stream cost more than a tick every
+    0.25 s. Used without them (an app without its lifespan), it runs while any stream is live."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, probe_interval_s: float = 0.0) -> None:
+        self.clock = clock
+        self.probe_interval_s = probe_interval_s
+        self._live: dict[int, list[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+
+    def add(self, filt: SseFilter, held: Held, replica: Replica, timeout: float) -> int:
+        key = id(held)
+        # filter, held, replica, timeout, events seen, since when, since when its replica looks down (0: it does not)
+        self._live[key] = [filt, held, replica, timeout, filt.events, self.clock(), 0.0]
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._tick())
+        return key
+
+    def remove(self, key: int) -> None:
+        self._live.pop(key, None)
+
+    def start(self) -> None:
+        self._started = True
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        self._started = False
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+
+    async def _tick(self) -> None:
+        try:
+            while self._live or self._started:
+                await asyncio.sleep(0.25)
+                now = self.clock()
+                for key, entry in list(self._live.items()):
+                    if entry[1].response is None:  # the stream ended (its Held was released)
+                        del self._live[key]
+                    else:
+                        self.check(entry, now)
+        finally:
+            self._task = None
+
+    def check(self, entry: list[Any], now: float) -> None:
+        """One stream at one tick: progress (or a wait on the client) restarts its clock; else it may be cut."""
+        filt, held, replica, timeout, seen, since, _ = entry
+        if filt.events != seen or filt.waiting:
+            entry[4], entry[5] = filt.events, now
+            return
+        down = now < replica.ejected_until or not replica.healthy
+        entry[6] = (entry[6] or now) if down else 0.0
+        silent = now - since
+        dead = now < replica.ejected_until or (down and now - entry[6] > self.probe_interval_s)
+        if silent > timeout or (silent > EJECTED_SILENCE_S and dead):
+            filt.failure = filt.failure or "stall"
+            if held.response is not None:
+                held.response.close()  # the relay's read ends: a failure it migrates
