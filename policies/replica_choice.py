@@ -455,7 +455,10 @@ class PrefixAffinity:
         if home is None:
             chosen, reason = self._preferred(request, ranked, best_ttft, now)
         else:
-            group = request.block_hashes[home.matched_blocks - 1] if home.matched_blocks else None
+            # the group: the prefix home holds, named by its last block (exact hashes on precise pools)
+            hashes = request.exact_block_hashes if home.source == "exact" else request.block_hashes
+            depth = min(home.matched_blocks, len(hashes))
+            group = hashes[depth - 1] if depth else None
             later = 0.0
             if group is not None:
                 self._groups.sent(group, now)

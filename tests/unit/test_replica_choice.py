@@ -536,3 +536,21 @@ def test_dispatched_records_the_prefix_where_the_request_went() -> None:
     assert index.match_all(request.block_hashes) == {URLS[1]: 20}
     decision = policy.choose(request, [fresh(u) for u in URLS], now=1.0)
     assert decision.replica == URLS[1] and decision.reason == "affinity_hit"
+
+
+class _DeepMatcher:
+    """A matcher whose match runs deeper than the request's approximate hashes (precise pools match exact ones)."""
+
+    def match_all(self, hashes: object) -> dict[str, int]:
+        return {URLS[0]: 70}
+
+    def record(self, replica: str, hashes: object, now: float) -> None:
+        return None
+
+
+def test_a_match_deeper_than_the_requests_hashes_still_names_its_group() -> None:
+    policy = PrefixAffinity(prefix_index=_DeepMatcher())
+    request = RoutingRequest(9000, 100, blocks(1, 3))
+    for t in range(3):
+        decision = policy.choose(request, [fresh(URLS[0]), fresh(URLS[1])], now=float(t))
+        assert decision.replica == URLS[0] and decision.reason == "affinity_hit"
