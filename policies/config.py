@@ -327,22 +327,41 @@ class MigrationConfig(_Strict):
     )
 
 
+class PlacementConfig(_Strict):
+    """How a prefix's placement changes under load (policies/placement.py)."""
+
+    window_s: float = Field(
+        default=3.0, gt=0, le=600,
+        description="A replica must stay more queued than another over this window (exponential, seconds), not just "
+                    "now, before a request leaves the replica that caches its prefix.",
+    )
+    move_cost_factor: float = Field(
+        default=0.25, ge=0,
+        description="A request leaves its prefix's replica only if the queue it saves exceeds its extra prefill plus "
+                    "this many times that again: the share of the KV its prefix displaces on the target that will be "
+                    "missed later. .inf: never for load (the bounded-load rule still applies); 0: whenever the wait "
+                    "saved exceeds the extra prefill.",
+    )
+
+
 class RoutingConfig(_Strict):
     policy: RoutingPolicyName = Field(
         default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
     )
     load_epsilon: float = Field(
-        default=0.25, ge=0, le=10,
-        description="Bounded load: a replica takes a request only while load+1 <= (1+eps)*mean + load_slack. Larger "
-                    "keeps more sessions on their cached replica; smaller spreads a hot prefix more evenly.",
+        default=1.0, ge=0, le=10,
+        description="Bounded load, the guard where no queue is seen: a replica takes a request only while its "
+                    "requests averaged over `placement.window_s`, plus one, stay <= (1+eps)*mean + load_slack. Smaller "
+                    "spreads prefixes by request count rather than by the queue they make (routing.placement).",
     )
-    load_slack: float = Field(default=2.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
+    load_slack: float = Field(default=8.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
     slo_aware: bool = Field(
         default=False, description="prefix_affinity only: hold every request to its traffic class's ttft_target_s "
         "(requests sending x-slo-ttft-ms / x-slo-tpot-ms are held to those whether or not this is on): a replica "
         "predicted (calibrated P90) to miss it yields to one that meets it, in the pool or a larger one; a sheddable "
         "class gets a 429 when none can.",
     )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
 
 

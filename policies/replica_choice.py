@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 import xxhash
 
 from policies.latency_model import TtftCalibrator, prefill_plan, ttft_features
+from policies.placement import DispatchRate, QueueWindow, move_cost_s, should_move
 from policies.snapshot import NoReplicaAvailable, ReplicaSnapshot, RoutingDecision, RoutingRequest
 
 __all__ = [
@@ -114,10 +115,8 @@ class ChoiceParams:
     kv_saturated: float = 0.98  # kv_cache_usage_perc at or above: saturated (preemptions are near)
     max_waiting: float = 32.0  # num_requests_waiting above: saturated
     chunk_tokens: int = 8192  # vLLM --max-num-batched-tokens: tokens one engine step can take
-    load_epsilon: float = 0.25  # bounded load: load + 1 ≤ (1 + ε)·mean + c ...
-    load_slack: float = 2.0  # ... with c = load_slack (in requests)
-    session_ttft_factor: float = 1.5  # a session keeps its replica while its TTFT ≤ factor·best + slack
-    session_slack_s: float = 0.05
+    load_epsilon: float = 1.0  # bounded load (windowed): load + 1 ≤ (1 + ε)·mean + c ...
+    load_slack: float = 8.0  # ... with c = load_slack (in requests)
     near_best_factor: float = 1.1  # without any cache hit, replicas within factor·best + slack are equivalent
     near_best_slack_s: float = 0.02
     max_sessions: int = 100_000
@@ -126,6 +125,10 @@ class ChoiceParams:
     queue_uncached_alpha: float | None = 0.2  # EWMA weight of the uncached share of what was sent to a replica,
     # which scales the queue ahead's tokens (see PrefixAffinity); None: count queued prompts whole
     weights: Mapping[str, float] = field(default_factory=lambda: {"ttft": 1.0, "kv_headroom": 0.1, "balance": 0.1})
+    session_ttft_factor: float = 1.5  # a session also keeps its replica while its TTFT ≤ factor·best + slack (its
+    session_slack_s: float = 0.05  # history is there even where the prefix index does not know it)
+    placement_window_s: float = 3.0  # overload must persist this long (exponential window) to move a prefix
+    move_cost_factor: float = 0.25  # a move must save its recompute plus this × it again: the displaced KV (inf: never)
 
 
 @dataclass(slots=True)
@@ -142,6 +145,8 @@ class Candidate:
     predicted_ttft_s: float
     load: float  # requests on it, for the bounded-load rule
     source: str = ""  # where matched_blocks came from with a RequestMatcher: "exact" or "approx"
+    queue_s: float = 0.0  # predicted wait before this request's own prefill starts
+    prefill_s: float = 0.0  # its own prefill there (the uncached part), on an otherwise idle replica
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,6 +393,9 @@ class PrefixAffinity:
         self._match_request = getattr(prefix_index, "match_request", None)  # a RequestMatcher's, when it is one
         self._record_request = getattr(prefix_index, "record_request", None)
         self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
+        self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue and load, persistent part
+        self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
+        self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
@@ -416,9 +424,17 @@ class PrefixAffinity:
             if shares:
                 per_waiting *= shares.get(url, 1.0)
             ttft = predict_ttft(r, uncached, waiting, running, per_waiting, chunk_tokens, rate)
+            alone = predict_ttft(r, uncached, 0.0, running, 0.0, chunk_tokens, rate) if waiting else ttft
+            # the wait ahead: the replica's queue as scraped, or the prompts this gateway sent it that have not
+            # reached a first token (vLLM counts a prompt being prefilled in chunks as running, not waiting)
+            backlog = r.prefill_tokens * (r.prefill_s_per_token if rate is None else rate)
+            queue = ttft - alone
+            if backlog > queue:
+                queue, ttft = backlog, backlog + alone
             saturated = saturation(r, params) is not None
             source = "" if exact is None else "exact" if url in exact else "approx"
-            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source))
+            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source,
+                                 queue, alone))
         if not out:
             raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
         return out
@@ -434,14 +450,27 @@ class PrefixAffinity:
         best_ttft = min(c.predicted_ttft_s for c in usable)
         most_matched = max(c.matched_blocks for c in usable)
 
-        bound = self._load_bound(usable)
-        chosen, reason = self._sticky(request, usable, best_ttft, bound, now)
-        if chosen is None:
-            chosen, reason = self._preferred(request, ranked, best_ttft, most_matched)
-            if chosen.load + 1.0 > bound:
-                spill = next((c for c in ranked if c.load + 1.0 <= bound), None)
-                if spill is not None:
-                    chosen, reason = spill, "load_spill"
+        averages = {c.url: self._window.observe(c.url, c.queue_s, c.load, now) for c in usable}
+        home, reason = self._home(request, usable, most_matched, now)
+        if home is None:
+            chosen, reason = self._preferred(request, ranked, best_ttft, now)
+        else:
+            # the group: the prefix home holds, named by its last block (exact hashes on precise pools)
+            hashes = request.exact_block_hashes if home.source == "exact" else request.block_hashes
+            depth = min(home.matched_blocks, len(hashes))
+            group = hashes[depth - 1] if depth else None
+            later = 0.0
+            if group is not None:
+                self._groups.sent(group, now)
+                later = self._groups.rate(group, now) * self.params.placement_window_s - 1.0
+            chosen = self._moved(home, usable, averages, reason == "session", later)
+            if chosen is not home:
+                reason = "prefix_move"
+        bound = self._load_bound([load for _, load in averages.values()])
+        if averages[chosen.url][1] + 1.0 > bound:
+            spill = next((c for c in ranked if averages[c.url][1] + 1.0 <= bound), None)
+            if spill is not None:
+                chosen, reason = spill, "load_spill"
         if all_saturated:
             reason = "all_saturated"
         elif reason == "affinity_hit" and chosen.source:
@@ -538,6 +567,7 @@ class PrefixAffinity:
                 shares[replica] = before + alpha * (share - before)
                 if len(shares) > _MAX_SHARES:  # replicas come and go with discovery: keep the recent ones
                     del shares[next(iter(shares))]
+        self._sends.sent(replica, now)
         if self._record_request is not None:
             self._record_request(request, replica, now)
         elif self.prefix_index is not None and request.block_hashes:
@@ -556,32 +586,57 @@ class PrefixAffinity:
 
     # -- picker steps -------------------------------------------------------------------------------------------
 
-    def _sticky(
-        self, request: RoutingRequest, usable: Sequence[Candidate], best_ttft: float, bound: float, now: float
-    ) -> tuple[Candidate | None, str]:
-        """A session stays on its replica while that still pays (TTFT within session_ttft_factor of the best) and
-        the replica stays within the load bound (TTFT alone misses decode load when metrics are missing)."""
-        if request.session_key is None:
+    def _home(self, request: RoutingRequest, usable: Sequence[Candidate], most_matched: int,
+              now: float) -> tuple[Candidate | None, str]:
+        """Where the request belongs (policies/placement.py): its session's replica while that holds its longest
+        cached prefix, else the least queued of the replicas that hold it; None when no replica holds any of it."""
+        if request.session_key is not None:
+            entry = self._sessions.get(request.session_key)
+            if entry is not None and now - entry[1] <= self.params.session_ttl_s:
+                previous = next((c for c in usable if c.url == entry[0]), None)
+                if previous is not None and previous.matched_blocks >= most_matched:
+                    return previous, "session"
+        if most_matched <= 0:
             return None, ""
-        entry = self._sessions.get(request.session_key)
-        if entry is None or now - entry[1] > self.params.session_ttl_s:
-            return None, ""
-        previous = next((c for c in usable if c.url == entry[0]), None)
-        limit = best_ttft * self.params.session_ttft_factor + self.params.session_slack_s
-        if previous is None or previous.predicted_ttft_s > limit or previous.load + 1.0 > bound:
-            return None, ""
-        return previous, "session"
+        holders = [c for c in usable if c.matched_blocks == most_matched]
+        return min(holders, key=lambda c: (c.predicted_ttft_s, c.url)), "affinity_hit"
 
-    def _preferred(
-        self, request: RoutingRequest, ranked: Sequence[Candidate], best_ttft: float, most_matched: int
-    ) -> tuple[Candidate, str]:
-        """The best-scored replica, except that without any cache hit the near-best ones are interchangeable and
-        rendezvous hashing on the first block (or, with no block at all, rotation) chooses among them."""
-        if most_matched > 0:
-            top = ranked[0]
-            return top, "affinity_hit" if top.matched_blocks == most_matched else "load_spill"
+    def _moved(self, home: Candidate, usable: Sequence[Candidate], averages: Mapping[str, tuple[float, float]],
+               session: bool, later: float) -> Candidate:
+        """Home, unless another replica is persistently less queued by more than the move costs, spread over the
+        `later` requests of the group due within the window (policies/placement.should_move): the one whose TTFT
+        plus the move's displacement cost is least. A session's
+        replica also holds history the index may not know of: it is left only for a TTFT beyond session_ttft_factor
+        × the other's + session_slack_s."""
+        params = self.params
+        factor = params.move_cost_factor
+        if math.isinf(factor) or len(usable) < 2:
+            return home
+        home_prefill = home.prefill_s
+
+        def extra(c: Candidate) -> float:
+            return c.prefill_s - home_prefill
+
+        others = [c for c in usable if c is not home]
+        other = min(others, key=lambda c: (c.predicted_ttft_s + move_cost_s(extra(c), factor), c.url))
+        limit = params.session_ttft_factor * other.predicted_ttft_s + params.session_slack_s
+        if session and home.predicted_ttft_s <= limit:
+            return home
+        if should_move((home.queue_s, averages[home.url][0]), (other.queue_s, averages[other.url][0]), extra(other),
+                       factor, later):
+            return other
+        return home
+
+    def _preferred(self, request: RoutingRequest, ranked: Sequence[Candidate], best_ttft: float,
+                   now: float) -> tuple[Candidate, str]:
+        """No replica holds any of the prompt: the near-best ones are interchangeable; of those, the ones sent the
+        fewest requests lately (the prefixes homed there come back), and rendezvous hashing on the first block (or,
+        with no block at all, rotation) chooses among them, so repeats of a new prefix meet."""
         limit = best_ttft * self.params.near_best_factor + self.params.near_best_slack_s
         near = [c for c in ranked if c.predicted_ttft_s <= limit] or [ranked[0]]
+        if len(near) > 1:
+            room = set(self._sends.least_used([c.url for c in near], now))
+            near = [c for c in near if c.url in room]
         if request.block_hashes:
             key = request.block_hashes[0]
             return max(near, key=lambda c: rendezvous_weight(key, c.url)), "cold_rendezvous"
@@ -589,10 +644,11 @@ class PrefixAffinity:
         self._turn += 1
         return near[turn % len(near)], "least_loaded"
 
-    def _load_bound(self, usable: Sequence[Candidate]) -> float:
-        """Consistent hashing with bounded loads: after taking this request, no replica may carry more than
-        (1 + ε)·mean + c requests, the mean including this one."""
-        mean_after = (sum(c.load for c in usable) + 1.0) / len(usable)
+    def _load_bound(self, loads: Sequence[float]) -> float:
+        """Consistent hashing with bounded loads, on the windowed loads: after taking this request, no replica may
+        carry more than (1 + ε)·mean + c requests on average over the placement window, the mean including this one
+        (the guard where no queue is measured: replicas without fresh metrics predict no wait)."""
+        mean_after = (sum(loads) + 1.0) / len(loads)
         return (1.0 + self.params.load_epsilon) * mean_after + self.params.load_slack
 
 

@@ -158,23 +158,86 @@ def test_a_miss_on_an_idle_replica_beats_a_hit_behind_a_long_queue() -> None:
     b = fresh(URLS[1])
     decision = policy.choose(RoutingRequest(8192, 256, prompt), [a, b], now=1.0)
     assert decision.replica == URLS[1]
-    assert decision.reason == "load_spill"
+    assert decision.reason == "prefix_move"
     assert decision.matched_blocks == 0
     assert decision.fallbacks == (URLS[0],)
 
 
-def test_the_trade_off_turns_where_the_queue_costs_more_than_the_prefill_saved() -> None:
-    """Growing A's queue one request at a time, the choice flips once, from the cached A to the idle B."""
+def test_the_trade_off_turns_where_the_queue_costs_more_than_the_prefill_and_displacement() -> None:
+    """Growing A's steady queue one request at a time, the choice flips once, from the cached A to the idle B, and
+    only where the wait saved exceeds the prefill B adds plus move_cost_factor × that (the KV it displaces there)."""
+    prompt = blocks(1, 32)  # 4K tokens cached on A; prefill added on B ≈ 4096 × 60 µs ≈ 0.25 s
+    chosen, flipped_at = [], {}
+    for factor in (0.0, 0.25, 1.0):
+        chosen = []
+        for waiting in range(0, 16):
+            index = PrefixIndex()
+            index.record(URLS[0], prompt, now=0.0)
+            policy = _affinity(index, move_cost_factor=factor)  # a fresh window: the queue has been there all along
+            a = fresh(URLS[0], in_flight=waiting, in_flight_tokens=waiting * 1000, running=0.0, waiting=float(waiting))
+            chosen.append(policy.choose(RoutingRequest(4200, 100, prompt), [a, fresh(URLS[1])], now=1.0).replica)
+        assert chosen[0] == URLS[0] and chosen[-1] == URLS[1]
+        assert sum(1 for x, y in itertools.pairwise(chosen) if x != y) == 1
+        flipped_at[factor] = chosen.index(URLS[1])
+    assert flipped_at[0.0] < flipped_at[0.25] < flipped_at[1.0]
+
+
+def test_a_burst_does_not_move_a_prefix_but_a_queue_that_persists_does() -> None:
+    """The same long queue on A: seen 50 ms after a calm spell it is a burst (A keeps the request); still there two
+    windows later, A is persistently overloaded and the request moves."""
     index = PrefixIndex()
-    prompt = blocks(1, 32)  # 4K tokens cached on A; prefill saved ≈ 4096 × 60 µs ≈ 0.25 s
+    prompt = blocks(1, 32)
     index.record(URLS[0], prompt, now=0.0)
-    policy = _affinity(index, weights={"ttft": 1.0})
-    chosen = []
-    for waiting in range(0, 8):
-        a = fresh(URLS[0], in_flight=waiting, in_flight_tokens=waiting * 1000, running=0.0, waiting=float(waiting))
-        chosen.append(policy.choose(RoutingRequest(4200, 100, prompt), [a, fresh(URLS[1])], now=1.0).replica)
-    flips = sum(1 for x, y in itertools.pairwise(chosen) if x != y)
-    assert chosen[0] == URLS[0] and chosen[-1] == URLS[1] and flips == 1
+    policy = _affinity(index)
+    calm = fresh(URLS[0])
+    queued = fresh(URLS[0], in_flight=12, in_flight_tokens=12 * 8000, running=0.0, waiting=12.0)
+    for t in range(0, 50, 5):  # a request every 5 s
+        assert policy.choose(RoutingRequest(4200, 100, prompt), [calm, fresh(URLS[1])], now=float(t)).replica == URLS[0]
+    burst = policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=45.05)
+    assert burst.replica == URLS[0] and burst.reason == "affinity_hit"
+    later = policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])],
+                          now=45.05 + 2 * PARAMS.placement_window_s)
+    assert later.replica == URLS[1] and later.reason == "prefix_move"
+
+
+def test_a_hot_group_gets_a_second_home_for_a_queue_a_rare_one_keeps() -> None:
+    """The same steady queue on the holder: a group that comes 4 times a second moves (its later requests share the
+    move's cost), one that comes every 10 s stays."""
+
+    def moved_after(interval: float) -> bool:
+        index = PrefixIndex()
+        prompt = blocks(1, 32)
+        index.record(URLS[0], prompt, now=0.0)
+        policy = _affinity(index)
+        queued = fresh(URLS[0], in_flight=1, in_flight_tokens=3300, running=0.0, waiting=1.0)  # ~0.2 s ahead
+        reasons = [policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=k * interval).reason
+                   for k in range(20)]
+        return "prefix_move" in reasons
+
+    assert moved_after(0.25)
+    assert not moved_after(10.0)
+
+
+def test_never_move_keeps_every_request_on_its_prefix() -> None:
+    index = PrefixIndex()
+    prompt = blocks(1, 32)
+    index.record(URLS[0], prompt, now=0.0)
+    policy = _affinity(index, move_cost_factor=float("inf"))
+    queued = fresh(URLS[0], in_flight=12, in_flight_tokens=12 * 8000, running=0.0, waiting=12.0)
+    assert policy.choose(RoutingRequest(4200, 100, prompt), [queued, fresh(URLS[1])], now=1.0).replica == URLS[0]
+
+
+def test_a_prefix_held_by_several_replicas_goes_to_the_least_queued_of_them_only() -> None:
+    """A replicated (hot) prefix spreads over its holders, never onto a replica that would recompute it."""
+    index = PrefixIndex()
+    prompt = blocks(1, 32)
+    index.record(URLS[0], prompt, now=0.0)
+    index.record(URLS[1], prompt, now=0.0)
+    policy = _affinity(index)
+    a = fresh(URLS[0], in_flight=3, in_flight_tokens=3 * 4200, running=0.0, waiting=3.0)
+    b = fresh(URLS[1], in_flight=1, in_flight_tokens=4200, running=0.0, waiting=1.0)
+    decision = policy.choose(RoutingRequest(4200, 100, prompt), [a, b, fresh(URLS[2]), fresh(URLS[3])], now=1.0)
+    assert decision.replica == URLS[1] and decision.reason == "affinity_hit"
 
 
 def test_without_an_index_prefix_affinity_still_balances() -> None:
@@ -196,14 +259,18 @@ class FakeGateway:
         self.tokens: Counter[str] = Counter({u: 0 for u in urls})
         self.hits = 0
 
+        self.prefill: Counter[str] = Counter({u: 0 for u in urls})  # uncached tokens sent, no first token yet
+
     def snapshots(self) -> list[ReplicaSnapshot]:
-        return [replica(u, in_flight=self.in_flight[u], in_flight_tokens=self.tokens[u]) for u in self.in_flight]
+        return [replica(u, in_flight=self.in_flight[u], in_flight_tokens=self.tokens[u],
+                        prefill_tokens=self.prefill[u]) for u in self.in_flight]
 
     def send(self, request: RoutingRequest, now: float) -> str:
         decision = self.policy.choose(request, self.snapshots(), now)
         self.policy.dispatched(request, decision.replica, now)
         self.in_flight[decision.replica] += 1
         self.tokens[decision.replica] += request.prompt_tokens + request.output_budget
+        self.prefill[decision.replica] += request.prompt_tokens - decision.matched_blocks * 128
         self.hits += decision.matched_blocks > 0
         return decision.replica
 
@@ -217,7 +284,9 @@ def _hot_prompt_sessions(policy: PrefixAffinity) -> FakeGateway:
     return gateway
 
 
-def test_a_hot_system_prompt_spreads_over_all_replicas_within_bounded_load() -> None:
+def test_a_hot_system_prompt_is_replicated_over_the_replicas_its_queue_needs() -> None:
+    """Sessions that never finish pile prefill onto the system prompt's holder until its queue persists; then the
+    prompt gets other homes and new sessions spread over them, each finding the prompt cached."""
     gateway = _hot_prompt_sessions(_affinity())
     mean = 100 / len(URLS)
     assert max(gateway.in_flight.values()) <= 1.5 * mean
@@ -225,9 +294,16 @@ def test_a_hot_system_prompt_spreads_over_all_replicas_within_bounded_load() -> 
     assert gateway.hits >= 95  # after the first request, the prefix is found wherever it goes
 
 
-def test_without_the_load_bound_the_hot_prompt_piles_onto_one_replica() -> None:
-    """Control for the test above: it is the bound, not luck, that spreads the sessions."""
-    gateway = _hot_prompt_sessions(_affinity(load_epsilon=100.0, load_slack=1000.0))
+def test_a_hot_system_prompt_spreads_by_the_load_bound_where_no_queue_is_seen() -> None:
+    """No scrape and no prefill tracked (say another gateway's view): the bound on requests spreads them."""
+    gateway = _hot_prompt_sessions(_affinity(move_cost_factor=float("inf"), load_epsilon=0.25, load_slack=2.0))
+    gateway.prefill.clear()
+    assert max(gateway.in_flight.values()) <= 1.5 * 100 / len(URLS)
+
+
+def test_without_moves_or_the_load_bound_the_hot_prompt_piles_onto_one_replica() -> None:
+    """Control for the tests above: it is the placement rule, not luck, that spreads the sessions."""
+    gateway = _hot_prompt_sessions(_affinity(move_cost_factor=float("inf"), load_epsilon=10.0, load_slack=1000.0))
     assert max(gateway.in_flight.values()) > 1.5 * 100 / len(URLS)
 
 
@@ -238,7 +314,7 @@ def test_the_bound_holds_with_scraped_load_from_other_gateways() -> None:
     index.record(URLS[0], prompt, now=0.0)
     policy = _affinity(index)
     others = [fresh(u, in_flight=2, running=2.0) for u in URLS[1:]]
-    crowded = fresh(URLS[0], in_flight=0, running=12.0, waiting=0.0)  # full of someone else's work
+    crowded = fresh(URLS[0], in_flight=0, running=40.0, waiting=0.0)  # full of someone else's work
     decision = policy.choose(RoutingRequest(2100, 100, prompt), [crowded, *others], now=1.0)
     assert decision.replica != URLS[0]
     assert decision.reason == "load_spill"
@@ -266,6 +342,28 @@ def test_distinct_cold_prefixes_spread_evenly() -> None:
     )
     assert set(counts) == set(URLS)
     assert all(60 <= n <= 140 for n in counts.values()), counts
+
+
+def test_new_prefixes_go_where_the_homed_ones_bring_back_the_least_traffic() -> None:
+    """Groups founded one after another, each then sending as often as the others: they spread about evenly,
+    where hashing their first blocks alone leaves one replica more groups than its cache holds."""
+    policy = _affinity()
+    groups = [blocks(100 + g, 20) for g in range(24)]
+    homes: dict[int, str] = {}
+    now = 0.0
+    for g in range(24):
+        for earlier, prompt in enumerate(groups[:g]):  # each founded group keeps sending
+            decision = policy.choose(RoutingRequest(3000, 100, prompt), [fresh(u) for u in URLS], now)
+            policy.dispatched(RoutingRequest(3000, 100, prompt), decision.replica, now)
+            assert decision.replica == homes[earlier]
+            now += 1.0 / max(g, 1)
+        first = policy.choose(RoutingRequest(3000, 100, groups[g]), [fresh(u) for u in URLS], now)
+        assert first.reason == "cold_rendezvous"
+        policy.dispatched(RoutingRequest(3000, 100, groups[g]), first.replica, now)
+        homes[g] = first.replica
+    spread = Counter(homes.values())
+    hashed = Counter(max(URLS, key=lambda u: rendezvous_weight(prompt[0], u)) for prompt in groups)
+    assert max(spread.values()) - min(spread.values()) <= 2 < max(hashed.values()) - min(hashed.values())
 
 
 def test_rendezvous_moves_only_the_prefixes_of_a_removed_replica() -> None:
@@ -322,11 +420,12 @@ def test_a_session_leaves_a_replica_over_the_load_bound_even_without_metrics() -
     policy = _affinity()
     request = RoutingRequest(3000, 100, blocks(9, 20), session_key="dave")
     policy.dispatched(request, URLS[0], now=0.0)
-    within = [replica(URLS[0], in_flight=6), *(replica(u, in_flight=4) for u in URLS[1:])]
+    within = [replica(URLS[0], in_flight=12), *(replica(u, in_flight=4) for u in URLS[1:])]
     assert policy.choose(request, within, now=1.0).reason == "session"
-    over = [replica(URLS[0], in_flight=12), *(replica(u, in_flight=4) for u in URLS[1:])]
-    decision = policy.choose(request, over, now=1.0)
-    assert decision.replica != URLS[0] and decision.reason != "session"
+    over = [replica(URLS[0], in_flight=40), *(replica(u, in_flight=4) for u in URLS[1:])]
+    assert policy.choose(request, over, now=1.0).reason == "session"  # for an instant: a burst
+    decision = policy.choose(request, over, now=1.0 + 3 * PARAMS.placement_window_s)  # and it persists
+    assert decision.replica != URLS[0] and decision.reason == "load_spill"
 
 
 def test_a_session_leaves_an_unhealthy_or_saturated_replica() -> None:
@@ -437,3 +536,21 @@ def test_dispatched_records_the_prefix_where_the_request_went() -> None:
     assert index.match_all(request.block_hashes) == {URLS[1]: 20}
     decision = policy.choose(request, [fresh(u) for u in URLS], now=1.0)
     assert decision.replica == URLS[1] and decision.reason == "affinity_hit"
+
+
+class _DeepMatcher:
+    """A matcher whose match runs deeper than the request's approximate hashes (precise pools match exact ones)."""
+
+    def match_all(self, hashes: object) -> dict[str, int]:
+        return {URLS[0]: 70}
+
+    def record(self, replica: str, hashes: object, now: float) -> None:
+        return None
+
+
+def test_a_match_deeper_than_the_requests_hashes_still_names_its_group() -> None:
+    policy = PrefixAffinity(prefix_index=_DeepMatcher())
+    request = RoutingRequest(9000, 100, blocks(1, 3))
+    for t in range(3):
+        decision = policy.choose(request, [fresh(URLS[0]), fresh(URLS[1])], now=float(t))
+        assert decision.replica == URLS[0] and decision.reason == "affinity_hit"

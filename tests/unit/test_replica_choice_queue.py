@@ -40,11 +40,12 @@ def test_predict_ttft_takes_an_explicit_rate() -> None:
 
 def test_a_replica_that_served_hits_is_not_shunned_for_its_inflated_ttft_per_token() -> None:
     """TTFT / uncached tokens after hits (100 uncached tokens, 0.3 s queued) reads as 3 ms/token: judged at its own
-    estimate, the replica holding the whole prefix loses to an idle one; at the pool's rate it wins."""
+    estimate, the queue of one request on the replica holding the whole prefix looks like 13 s and the request moves
+    to an idle one; at the pool's rate the queue is what it is and the request stays."""
     index = PrefixIndex()
     prompt = blocks(1, 32)
     index.record(URLS[0], prompt, now=0.0)
-    holder = fresh(URLS[0], prefill_s_per_token=3e-3, in_flight=1, in_flight_tokens=4300, running=1.0)
+    holder = fresh(URLS[0], prefill_s_per_token=3e-3, in_flight=1, in_flight_tokens=4300, running=0.0, waiting=1.0)
     idle = fresh(URLS[1], prefill_s_per_token=60e-6)
     request = RoutingRequest(4200, 100, prompt)
     own_rate = PrefixAffinity(index, ChoiceParams(pool_prefill_rate=False))
