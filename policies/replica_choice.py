@@ -20,10 +20,11 @@ or one shared by all pools (URLs are distinct); without an index the policy stil
 never sees a cache hit.
 
 The prefix_affinity policy predicts each replica's time to first token (queue ahead + prefill of the part of the
-prompt it has not cached) and keeps peers' known failure modes out: a hot shared prefix cannot pile every session on
-one replica (bounded load: no replica above (1+ε)·mean + c), cold prefixes meet again through rendezvous hashing
-instead of going to "the least loaded at that instant", and saturated or stale replicas are avoided but still used
-when nothing else is left.
+prompt it has not cached) and places prefixes over time (policies/placement.py): a request follows its prefix's
+replicas and leaves them only when a queue that persists there outweighs the move's recompute and the KV it
+displaces, so a burst never scatters a group while a genuinely hot prefix gets as many homes as its queue needs;
+cold prefixes meet again through rendezvous hashing among the replicas with room for them, a bounded-load guard
+holds where no queue is seen, and saturated or stale replicas are avoided but still used when nothing else is left.
 """
 
 from __future__ import annotations
@@ -365,16 +366,20 @@ class LeastLoaded:
 
 
 class PrefixAffinity:
-    """Lowest predicted TTFT given what each replica has cached, under bounded load, with sticky sessions.
+    """Prefix placement over time, predicted TTFT from what each replica has cached, sticky sessions.
 
     The TTFT model's queue ahead counts what the queued requests will really prefill: per replica, an EWMA of the
     uncached share of the requests sent there (from the matched blocks each was routed with: exact ones with precise
     routing) scales their token estimates, so a replica whose queue is made of cache hits is not mistaken for one
     that queues full prompts. Prefill is predicted at the pool's rate (`prefill_rate`).
 
+    Where a request goes is its prefix's placement (policies/placement.py): home (its session's replica, else the
+    least queued replica holding its longest prefix) unless a queue persisting there pays for a move.
+
     Reasons reported: "session" (kept its replica), "affinity_hit" (went where most of its prefix is cached),
-    "load_spill" (a replica with more of its prefix was passed over for load), "cold_rendezvous" (no replica holds
-    any of it: rendezvous on its first block among the least-loaded, so repeats of a new prefix meet),
+    "prefix_move" (home stayed more queued than another replica by more than the move costs), "load_spill" (the
+    bounded-load guard, on windowed loads), "cold_rendezvous" (no replica holds any of it: rendezvous on its first
+    block among the near-best replicas sent the fewest requests lately, so repeats of a new prefix meet),
     "least_loaded" (prompt shorter than a block), "all_saturated" (every replica was saturated; the least bad won).
     With a RequestMatcher (precise routing) an affinity hit says where its match came from: "affinity_hit:exact" (the
     replica's own KV events) or "affinity_hit:approx" (estimated: no exact hashes, or the replica's events are stale).
@@ -447,30 +452,8 @@ class PrefixAffinity:
         scores = combine(usable, params.weights)
         score_of = {c.url: s for c, s in zip(usable, scores, strict=True)}
         ranked = sorted(usable, key=lambda c: (-score_of[c.url], c.url))
-        best_ttft = min(c.predicted_ttft_s for c in usable)
-        most_matched = max(c.matched_blocks for c in usable)
 
-        averages = {c.url: self._window.observe(c.url, c.queue_s, c.load, now) for c in usable}
-        home, reason = self._home(request, usable, most_matched, now)
-        if home is None:
-            chosen, reason = self._preferred(request, ranked, best_ttft, now)
-        else:
-            # the group: the prefix home holds, named by its last block (exact hashes on precise pools)
-            hashes = request.exact_block_hashes if home.source == "exact" else request.block_hashes
-            depth = min(home.matched_blocks, len(hashes))
-            group = hashes[depth - 1] if depth else None
-            later = 0.0
-            if group is not None:
-                self._groups.sent(group, now)
-                later = self._groups.rate(group, now) * self.params.placement_window_s - 1.0
-            chosen = self._moved(home, usable, averages, reason == "session", later)
-            if chosen is not home:
-                reason = "prefix_move"
-        bound = self._load_bound([load for _, load in averages.values()])
-        if averages[chosen.url][1] + 1.0 > bound:
-            spill = next((c for c in ranked if averages[c.url][1] + 1.0 <= bound), None)
-            if spill is not None:
-                chosen, reason = spill, "load_spill"
+        chosen, reason = self._placed(request, usable, ranked, now)
         if all_saturated:
             reason = "all_saturated"
         elif reason == "affinity_hit" and chosen.source:
@@ -585,6 +568,36 @@ class PrefixAffinity:
         return entry[0] if entry else None
 
     # -- picker steps -------------------------------------------------------------------------------------------
+
+    def _placed(self, request: RoutingRequest, usable: Sequence[Candidate], ranked: Sequence[Candidate],
+                now: float) -> tuple[Candidate, str]:
+        """The placement rule (policies/placement.py): home unless a persistent queue pays for a move; a new prefix
+        where homed groups bring back the least traffic; the bounded-load guard on windowed loads."""
+        averages = {c.url: self._window.observe(c.url, c.queue_s, c.load, now) for c in usable}
+        home, reason = self._home(request, usable, max(c.matched_blocks for c in usable), now)
+        if home is None:
+            chosen, reason = self._preferred(request, ranked, min(c.predicted_ttft_s for c in usable), now)
+        else:
+            chosen = self._moved(home, usable, averages, reason == "session", self._later(request, home, now))
+            if chosen is not home:
+                reason = "prefix_move"
+        bound = self._load_bound([load for _, load in averages.values()])
+        if averages[chosen.url][1] + 1.0 > bound:
+            spill = next((c for c in ranked if averages[c.url][1] + 1.0 <= bound), None)
+            if spill is not None:
+                chosen, reason = spill, "load_spill"
+        return chosen, reason
+
+    def _later(self, request: RoutingRequest, home: Candidate, now: float) -> float:
+        """The requests of the request's group expected within the placement window after it. The group is the
+        prefix home holds, named by its last block (exact hashes on precise pools)."""
+        hashes = request.exact_block_hashes if home.source == "exact" else request.block_hashes
+        depth = min(home.matched_blocks, len(hashes))
+        if not depth:
+            return 0.0
+        group = hashes[depth - 1]
+        self._groups.sent(group, now)
+        return self._groups.rate(group, now) * self.params.placement_window_s - 1.0
 
     def _home(self, request: RoutingRequest, usable: Sequence[Candidate], most_matched: int,
               now: float) -> tuple[Candidate | None, str]:
