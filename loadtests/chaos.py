@@ -20,7 +20,8 @@ SSE stream:
 "retried" is the delta of `m3gate_routing_decisions_total{reason="retry"}` over both gateways, "migrated" that of
 `m3gate_stream_migrations_total{outcome="resumed"}` (streams broken by the fault and resumed elsewhere). Time to eject is
 from the fault to the replica shown unavailable (or gone) in both gateways' `GET /admin/pools`; time to re-admit is
-from the repair to the first request the replica completed again (through either gateway).
+from the repair to the replica shown available again in both (a replica back in rotation takes new prefixes at once
+and existing ones as their replicas' queues demand, policies/placement.py: no request need come to it at once).
 """
 
 from __future__ import annotations
@@ -442,16 +443,18 @@ def run_scenario(cluster: Cluster, name: str, settings: Settings, target_index: 
         await asyncio.to_thread(repair)
         await asyncio.sleep(settings.recover_s)
         # A replica ejected several times is back only when its back-off (1 s doubling, at most EJECT_MAX_S) runs
-        # out, after its last failed request: keep the load on until it serves again, to measure that too.
+        # out, after its last failed request: keep the load on until both gateways show it available, to measure it.
         until = time.monotonic() + cluster.read_timeout_s + EJECT_MAX_S + 5
-        while name != "redis" and not served_again() and time.monotonic() < until:
+        while name != "redis" and readmitted() is None and time.monotonic() < until:
             await asyncio.sleep(0.25)
         load.stop()
         await asyncio.wait_for(task, load.request_timeout_s + 5)
 
-    def served_again() -> bool:
-        repaired = marks.get("repaired", float("inf"))
-        return any(o.endpoint == target.url and o.kind == "ok" and o.t_start >= repaired for o in load.outcomes)
+    def readmitted() -> float | None:
+        """Seconds from the repair until both gateways showed the replica available again (None: not yet)."""
+        repaired = marks.get("repaired")
+        url = target.url
+        return None if repaired is None else watch.first_time(repaired, lambda a, _r: a.get(url, False))
 
     def inject() -> None:
         nonlocal target
@@ -516,8 +519,7 @@ def run_scenario(cluster: Cluster, name: str, settings: Settings, target_index: 
     else:
         url = target.url
         result.eject_s = watch.first_time(fault, lambda a, _r: not a.get(url, False))
-        served = [o.t_end for o in load.outcomes if o.endpoint == url and o.kind == "ok" and o.t_start >= repaired]
-        result.readmit_s = (min(served) - repaired) if served else None
+        result.readmit_s = readmitted()
         if name == "drop":
             result.notes.append("each stream broken mid-way is resumed on another replica; three in a row eject "
                                 "the replica (back-off)")

@@ -32,8 +32,8 @@ __all__ = ["DispatchRate", "QueueWindow", "move_cost_s", "should_move"]
 
 
 class QueueWindow:
-    """Per replica, the queue wait ahead of a new request and the requests on it, averaged over time with an
-    exponential window of `window_s`: what persists, not one Poisson burst. Bounded (least recently seen go first)."""
+    """Per replica, the queue wait ahead of a new request averaged over time with an exponential window of
+    `window_s`: what persists, not one Poisson burst. Bounded (least recently seen go first)."""
 
     __slots__ = ("window_s", "max_replicas", "_state")
 
@@ -42,29 +42,27 @@ class QueueWindow:
             raise ValueError("window_s must be positive")
         self.window_s = window_s
         self.max_replicas = max_replicas
-        self._state: OrderedDict[str, list[float]] = OrderedDict()  # url → [last seen, wait avg, load avg]
+        self._state: OrderedDict[str, list[float]] = OrderedDict()  # url → [last seen, wait average]
 
-    def observe(self, replica: str, wait_s: float, load: float, now: float) -> tuple[float, float]:
-        """Take the replica's wait and load as seen now; returns their averages (a first sight is its own average)."""
+    def observe(self, replica: str, wait_s: float, now: float) -> float:
+        """Take the replica's wait as seen now; returns its average (a first sight is its own average)."""
         state = self._state.get(replica)
         if state is None:
-            self._state[replica] = [now, wait_s, load]
+            self._state[replica] = [now, wait_s]
             if len(self._state) > self.max_replicas:
                 self._state.popitem(last=False)
-            return wait_s, load
+            return wait_s
         self._state.move_to_end(replica)
         elapsed = now - state[0]
         if elapsed > 0.0:
-            keep = math.exp(-elapsed / self.window_s)
-            state[1] = wait_s + keep * (state[1] - wait_s)
-            state[2] = load + keep * (state[2] - load)
+            state[1] = wait_s + math.exp(-elapsed / self.window_s) * (state[1] - wait_s)
             state[0] = now
-        return state[1], state[2]
+        return state[1]
 
-    def averages(self, replica: str) -> tuple[float, float] | None:
-        """(wait, load) averages as last observed, or None for a replica not seen."""
+    def average(self, replica: str) -> float | None:
+        """The wait average as last observed, or None for a replica not seen."""
         state = self._state.get(replica)
-        return None if state is None else (state[1], state[2])
+        return None if state is None else state[1]
 
     def forget(self, replica: str) -> None:
         self._state.pop(replica, None)

@@ -116,8 +116,8 @@ class ChoiceParams:
     kv_saturated: float = 0.98  # kv_cache_usage_perc at or above: saturated (preemptions are near)
     max_waiting: float = 32.0  # num_requests_waiting above: saturated
     chunk_tokens: int = 8192  # vLLM --max-num-batched-tokens: tokens one engine step can take
-    load_epsilon: float = 1.0  # bounded load (windowed): load + 1 ≤ (1 + ε)·mean + c ...
-    load_slack: float = 8.0  # ... with c = load_slack (in requests)
+    load_epsilon: float = 0.25  # bounded load: load + 1 ≤ (1 + ε)·mean + c ...
+    load_slack: float = 2.0  # ... with c = load_slack (in requests)
     near_best_factor: float = 1.1  # without any cache hit, replicas within factor·best + slack are equivalent
     near_best_slack_s: float = 0.02
     max_sessions: int = 100_000
@@ -378,7 +378,7 @@ class PrefixAffinity:
 
     Reasons reported: "session" (kept its replica), "affinity_hit" (went where most of its prefix is cached),
     "prefix_move" (home stayed more queued than another replica by more than the move costs), "load_spill" (the
-    bounded-load guard, on windowed loads), "cold_rendezvous" (no replica holds any of it: rendezvous on its first
+    bounded-load guard), "cold_rendezvous" (no replica holds any of it: rendezvous on its first
     block among the near-best replicas sent the fewest requests lately, so repeats of a new prefix meet),
     "least_loaded" (prompt shorter than a block), "all_saturated" (every replica was saturated; the least bad won).
     With a RequestMatcher (precise routing) an affinity hit says where its match came from: "affinity_hit:exact" (the
@@ -398,7 +398,7 @@ class PrefixAffinity:
         self._match_request = getattr(prefix_index, "match_request", None)  # a RequestMatcher's, when it is one
         self._record_request = getattr(prefix_index, "record_request", None)
         self._uncached_share: dict[str, float] = {}  # replica → EWMA of the uncached share of what was sent there
-        self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue and load, persistent part
+        self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue, its persistent part
         self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
         self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
@@ -572,8 +572,8 @@ class PrefixAffinity:
     def _placed(self, request: RoutingRequest, usable: Sequence[Candidate], ranked: Sequence[Candidate],
                 now: float) -> tuple[Candidate, str]:
         """The placement rule (policies/placement.py): home unless a persistent queue pays for a move; a new prefix
-        where homed groups bring back the least traffic; the bounded-load guard on windowed loads."""
-        averages = {c.url: self._window.observe(c.url, c.queue_s, c.load, now) for c in usable}
+        where homed groups bring back the least traffic; the bounded-load guard."""
+        averages = {c.url: self._window.observe(c.url, c.queue_s, now) for c in usable}
         home, reason = self._home(request, usable, max(c.matched_blocks for c in usable), now)
         if home is None:
             chosen, reason = self._preferred(request, ranked, min(c.predicted_ttft_s for c in usable), now)
@@ -581,9 +581,9 @@ class PrefixAffinity:
             chosen = self._moved(home, usable, averages, reason == "session", self._later(request, home, now))
             if chosen is not home:
                 reason = "prefix_move"
-        bound = self._load_bound([load for _, load in averages.values()])
-        if averages[chosen.url][1] + 1.0 > bound:
-            spill = next((c for c in ranked if averages[c.url][1] + 1.0 <= bound), None)
+        bound = self._load_bound([c.load for c in usable])
+        if chosen.load + 1.0 > bound:
+            spill = next((c for c in ranked if c.load + 1.0 <= bound), None)
             if spill is not None:
                 chosen, reason = spill, "load_spill"
         return chosen, reason
@@ -614,7 +614,7 @@ class PrefixAffinity:
         holders = [c for c in usable if c.matched_blocks == most_matched]
         return min(holders, key=lambda c: (c.predicted_ttft_s, c.url)), "affinity_hit"
 
-    def _moved(self, home: Candidate, usable: Sequence[Candidate], averages: Mapping[str, tuple[float, float]],
+    def _moved(self, home: Candidate, usable: Sequence[Candidate], averages: Mapping[str, float],
                session: bool, later: float) -> Candidate:
         """Home, unless another replica is persistently less queued by more than the move costs, spread over the
         `later` requests of the group due within the window (policies/placement.should_move): the one whose TTFT
@@ -635,7 +635,7 @@ class PrefixAffinity:
         limit = params.session_ttft_factor * other.predicted_ttft_s + params.session_slack_s
         if session and home.predicted_ttft_s <= limit:
             return home
-        if should_move((home.queue_s, averages[home.url][0]), (other.queue_s, averages[other.url][0]), extra(other),
+        if should_move((home.queue_s, averages[home.url]), (other.queue_s, averages[other.url]), extra(other),
                        factor, later):
             return other
         return home
@@ -658,9 +658,10 @@ class PrefixAffinity:
         return near[turn % len(near)], "least_loaded"
 
     def _load_bound(self, loads: Sequence[float]) -> float:
-        """Consistent hashing with bounded loads, on the windowed loads: after taking this request, no replica may
-        carry more than (1 + ε)·mean + c requests on average over the placement window, the mean including this one
-        (the guard where no queue is measured: replicas without fresh metrics predict no wait)."""
+        """Consistent hashing with bounded loads: after taking this request, no replica may carry more than
+        (1 + ε)·mean + c requests, the mean including this one. The guard where no queue is measured (replicas
+        without fresh metrics predict no wait) and what spreads requests onto a replica that joins a pool with no
+        queue to relieve."""
         mean_after = (sum(loads) + 1.0) / len(loads)
         return (1.0 + self.params.load_epsilon) * mean_after + self.params.load_slack
 

@@ -60,7 +60,7 @@ def test_repair_is_noticed(results: dict[str, ScenarioResult], name: str) -> Non
     """(A hung replica comes back once its last hung request timed out (2 s) and its ejection back-off (1 s,
     doubling, at most 30 s) ran out; the load stays on until then.)"""
     r = results[name]
-    assert r.readmit_s is not None, f"{r.title}: never served again after the repair"
+    assert r.readmit_s is not None, f"{r.title}: never available again after the repair"
     assert r.readmit_s < (2.0 + 30.0 + 2.0 if name == "hang" else 5.0), r
 
 

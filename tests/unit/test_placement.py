@@ -11,35 +11,35 @@ from policies.placement import DispatchRate, QueueWindow, move_cost_s, should_mo
 
 def test_a_first_sight_is_its_own_average() -> None:
     window = QueueWindow(3.0)
-    assert window.observe("a", 2.0, 5.0, now=10.0) == (2.0, 5.0)
-    assert window.averages("a") == (2.0, 5.0)
-    assert window.averages("b") is None
+    assert window.observe("a", 2.0, now=10.0) == 2.0
+    assert window.average("a") == 2.0
+    assert window.average("b") is None
 
 
 def test_the_average_follows_a_persistent_value_and_barely_moves_for_a_burst() -> None:
     window = QueueWindow(3.0)
-    window.observe("a", 0.0, 0.0, now=0.0)
-    wait, _ = window.observe("a", 10.0, 0.0, now=0.05)  # a burst, 50 ms after a calm sight
+    window.observe("a", 0.0, now=0.0)
+    wait = window.observe("a", 10.0, now=0.05)  # a burst, 50 ms after a calm sight
     assert wait == pytest.approx(10.0 * (1 - math.exp(-0.05 / 3.0)))
     assert wait < 0.2
     for t in range(1, 20):  # the same wait, seen every second for 19 s
-        wait, _ = window.observe("a", 10.0, 0.0, now=0.05 + t)
+        wait = window.observe("a", 10.0, now=0.05 + t)
     assert wait == pytest.approx(10.0, rel=0.01)
 
 
 def test_no_time_elapsed_leaves_the_average() -> None:
     window = QueueWindow(3.0)
-    window.observe("a", 1.0, 1.0, now=5.0)
-    assert window.observe("a", 9.0, 9.0, now=5.0) == (1.0, 1.0)
+    window.observe("a", 1.0, now=5.0)
+    assert window.observe("a", 9.0, now=5.0) == 1.0
 
 
 def test_the_window_is_bounded_and_forgets() -> None:
     window = QueueWindow(3.0, max_replicas=3)
     for k in range(5):
-        window.observe(f"r{k}", 1.0, 1.0, now=float(k))
-    assert len(window) == 3 and window.averages("r0") is None and window.averages("r4") is not None
+        window.observe(f"r{k}", 1.0, now=float(k))
+    assert len(window) == 3 and window.average("r0") is None and window.average("r4") is not None
     window.forget("r4")
-    assert window.averages("r4") is None
+    assert window.average("r4") is None
     with pytest.raises(ValueError):
         QueueWindow(0.0)
 
