@@ -349,12 +349,12 @@ class RoutingConfig(_Strict):
         default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
     )
     load_epsilon: float = Field(
-        default=0.25, ge=0, le=10,
-        description="Bounded load: a replica takes a request only while load+1 <= (1+eps)*mean + load_slack. Larger "
-                    "keeps more sessions on their cached replica; smaller spreads a hot prefix more evenly (and "
-                    "requests onto a replica that joins a pool with no queue to relieve).",
+        default=1.0, ge=0, le=10,
+        description="Bounded load, a guard against pile-ups: a replica takes a request only while load+1 <= "
+                    "(1+eps)*mean + load_slack (requests in flight). Queues move prefixes (routing.placement); a "
+                    "tighter bound also spreads by request count, at the cost of cache hits under load.",
     )
-    load_slack: float = Field(default=2.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
+    load_slack: float = Field(default=8.0, ge=0, le=1000, description="The bounded-load rule's constant, in requests.")
     slo_aware: bool = Field(
         default=False, description="prefix_affinity only: hold every request to its traffic class's ttft_target_s "
         "(requests sending x-slo-ttft-ms / x-slo-tpot-ms are held to those whether or not this is on): a replica "

@@ -116,8 +116,8 @@ class ChoiceParams:
     kv_saturated: float = 0.98  # kv_cache_usage_perc at or above: saturated (preemptions are near)
     max_waiting: float = 32.0  # num_requests_waiting above: saturated
     chunk_tokens: int = 8192  # vLLM --max-num-batched-tokens: tokens one engine step can take
-    load_epsilon: float = 0.25  # bounded load: load + 1 ≤ (1 + ε)·mean + c ...
-    load_slack: float = 2.0  # ... with c = load_slack (in requests)
+    load_epsilon: float = 1.0  # bounded load, a guard against pile-ups: load + 1 ≤ (1 + ε)·mean + c ...
+    load_slack: float = 8.0  # ... with c = load_slack (in requests); queues move prefixes (placement.py)
     near_best_factor: float = 1.1  # without any cache hit, replicas within factor·best + slack are equivalent
     near_best_slack_s: float = 0.02
     max_sessions: int = 100_000

@@ -131,6 +131,7 @@ def test_combined_scores_follow_the_weights() -> None:
 
 
 NO_BOUND = {"load_epsilon": 10.0, "load_slack": 1000.0}  # the bounded-load guard out of the way
+TIGHT_BOUND = {"load_epsilon": 0.25, "load_slack": 2.0}  # a bound tight enough to act on these few requests
 
 
 def _affinity(index: PrefixIndex | None = None, **params: object) -> PrefixAffinity:
@@ -299,7 +300,7 @@ def test_a_hot_system_prompt_is_replicated_over_the_replicas_its_queue_needs() -
 
 def test_a_hot_system_prompt_spreads_by_the_load_bound_where_no_queue_is_seen() -> None:
     """With moves off, the bound on requests in flight alone spreads the sessions."""
-    gateway = _hot_prompt_sessions(_affinity(move_cost_factor=float("inf")))
+    gateway = _hot_prompt_sessions(_affinity(move_cost_factor=float("inf"), **TIGHT_BOUND))
     assert max(gateway.in_flight.values()) <= 1.5 * 100 / len(URLS)
 
 
@@ -314,7 +315,7 @@ def test_the_bound_holds_with_scraped_load_from_other_gateways() -> None:
     index = PrefixIndex()
     prompt = blocks(3, 16)
     index.record(URLS[0], prompt, now=0.0)
-    policy = _affinity(index)
+    policy = _affinity(index, **TIGHT_BOUND)
     others = [fresh(u, in_flight=2, running=2.0) for u in URLS[1:]]
     crowded = fresh(URLS[0], in_flight=0, running=12.0, waiting=0.0)  # full of someone else's work
     decision = policy.choose(RoutingRequest(2100, 100, prompt), [crowded, *others], now=1.0)
@@ -419,7 +420,7 @@ def test_a_session_leaves_its_replica_when_overloaded_and_follows_the_move() -> 
 
 def test_a_session_leaves_a_replica_over_the_load_bound_even_without_metrics() -> None:
     """With no scrape, TTFT barely sees decode load; the bound on requests in flight still moves the session."""
-    policy = _affinity()
+    policy = _affinity(**TIGHT_BOUND)
     request = RoutingRequest(3000, 100, blocks(9, 20), session_key="dave")
     policy.dispatched(request, URLS[0], now=0.0)
     within = [replica(URLS[0], in_flight=6), *(replica(u, in_flight=4) for u in URLS[1:])]
