@@ -143,14 +143,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_epp(args: argparse.Namespace) -> int:
-    from gateway.epp_server import run_epp
+    from gateway.epp.server import run_epp
 
     return run_epp(args.config, host=args.host, port=args.port, http_port=args.http_port,
                    response_processing=args.response_processing)
 
 
 def _cmd_envoy_config(args: argparse.Namespace) -> int:
-    from gateway.envoy_config import envoy_bootstrap, envoy_yaml
+    from gateway.epp.envoy_config import envoy_bootstrap, envoy_yaml
     from policies.config import ConfigError, load_config
 
     try:

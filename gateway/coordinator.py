@@ -258,7 +258,7 @@ class Coordinator:
         self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes
     ) -> tuple[list[Target], Mapping[str, RoutingRequest]]:
         """The targets to try, in order, and per pool the request as precise routing saw it: what `forward` sends to,
-        and what the endpoint picker (gateway/epp.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
+        and what the endpoint picker (gateway/epp/picker.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
         gw = self.gw
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)

