@@ -6,7 +6,7 @@ plug in without being inlined: traffic control admits (`gateway/admission.py`), 
 block hashes (`gateway/precise.py`), `Upstream` makes each upstream call and says how it went
 (`gateway/upstream.py`), the relay streams the answer (`gateway/relay.py`), the P/D path serves disaggregated pools
 (`gateway/disagg.py`), `Learning` feeds the estimates (`gateway/learning.py`), telemetry observes
-(`gateway/telemetry.py`). `finished` is the single end of every request, however it ended.
+(`gateway/observability/telemetry.py`). `finished` is the single end of every request, however it ended.
 """
 
 from __future__ import annotations

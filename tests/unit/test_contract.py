@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 from gateway.app import build_app
 from gateway.contract import BOUNDS
 from gateway.record import RequestRecord
-from gateway.recent import RecentRequests
+from gateway.observability.recent import RecentRequests
 from policies.config import GatewayConfig
 from policies.contract import (
     build_contract, check, histogram_quantile, observed_from_samples, passed, sli_bound, slo_rules, to_html,

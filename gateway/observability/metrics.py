@@ -291,7 +291,7 @@ class RequestMetrics:
         self.prefill = histogram("m3gate_prefill_seconds", "Sent to the replica until its first token's event "
                                  "(replica queue + prefill + network).", cls, STAGE_BUCKETS)
         self.decode = histogram("m3gate_decode_seconds", "First to last token's event (streams).", cls, STAGE_BUCKETS)
-        # vLLM's own timings of a sampled request, from its llm_request span (gateway/engine_spans.py)
+        # vLLM's own timings of a sampled request, from its llm_request span (gateway/observability/engine_spans.py)
         self.engine_queue = histogram("m3gate_engine_queue_seconds", "Waiting in the replica's scheduler queue "
                                       "(vLLM's gen_ai.latency.time_in_queue; sampled requests of tracing replicas).",
                                       cls, STAGE_BUCKETS)
