@@ -84,7 +84,7 @@ def _cmd_contract(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from gateway.plan import ClassLoad, PlanError, learnt_costs, plan, read_trace, to_markdown, trace_loads
+    from gateway.capacity.plan import ClassLoad, PlanError, learnt_costs, plan, read_trace, to_markdown, trace_loads
     from policies.capacity import EngineCosts
     from policies.config import ConfigError, load_config
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from gateway.admission import TrafficControl
-from gateway.capacity import CapacitySignal
+from gateway.capacity.signal import CapacitySignal
 from gateway.discovery import DiscoveryManager
 from gateway.precise import PreciseRouting
 from gateway.observability.recent import RecentRequests

@@ -95,7 +95,7 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
     view = replica_view(gw)
     config = gw.config
     by_size = config.pools_by_size()
-    sizing = gw.capacity.entries  # the capacity signal per (pool, role) (gateway/capacity.py)
+    sizing = gw.capacity.entries  # the capacity signal per (pool, role) (gateway/capacity/signal.py)
     out = []
     for name, pool_view in view.items():
         runtime = gw.pools[name]

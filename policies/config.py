@@ -740,7 +740,7 @@ class SessionsConfig(_Strict):
 
 
 class CapacityConfig(_Strict):
-    """The capacity signal (policies/capacity.py, gateway/capacity.py): how many replicas each pool and role needs for
+    """The capacity signal (policies/capacity.py, gateway/capacity/signal.py): how many replicas each pool and role needs for
     its classes' targets at the current demand, exported as m3gate_pool_desired_replicas for an autoscaler."""
 
     scale_down_stabilization_s: float = Field(

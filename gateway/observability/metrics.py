@@ -605,7 +605,7 @@ class ReplicaCollector:
         yield from (healthy, available, ejections, draining, drains, in_flight, waiting, running, kv, queries, hits,
                     age, replicas, live)
         capacity = getattr(gw, "capacity", None)
-        if capacity is not None:  # the capacity signal (gateway/capacity.py): what an autoscaler follows
+        if capacity is not None:  # the capacity signal (gateway/capacity/signal.py): what an autoscaler follows
             desired = GaugeMetricFamily("m3gate_pool_desired_replicas", "Replicas the pool role needs for its "
                                         "classes' TTFT/TPOT p95 targets at the current demand, queueing included "
                                         "(stabilized; role: both, prefill or decode).", labels=["pool", "role"])

@@ -1,4 +1,4 @@
-"""gateway/capacity.py with other gateways' demand shares (what `state: redis` brings it): two gateways that each saw
+"""gateway/capacity/signal.py with other gateways' demand shares (what `state: redis` brings it): two gateways that each saw
 part of the traffic, uneven, size the pools exactly as one gateway that saw all of it, and publish the same figure;
 a gateway that joins running ones starts from their signal instead of measuring a window first."""
 

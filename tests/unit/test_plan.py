@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.plan import PlanError, read_trace
+from gateway.capacity.plan import PlanError, read_trace
 
 CONFIG = """
 model: MiniMaxAI/MiniMax-M3
