@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
 from gateway.observability.telemetry import SpanBatcher, Telemetry

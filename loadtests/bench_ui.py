@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 from gateway.record import RequestRecord
 from gateway.observability.recent import RecentRequests
 from pools.sim.launcher import running_sims

