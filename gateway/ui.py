@@ -6,9 +6,9 @@ URL); with `admin.ui_open_on_loopback` loopback clients need no key. /ui/access 
 needed? this key accepted?), so that the page never logs a refused request. /ui/state reads what the gateway already
 keeps: the pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config
 reload status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last five minutes,
-from bucket deltas against the history's oldest snapshot), the latest requests' stages (gateway/observability/recent.py), the
-agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes newer than `?history_since=`
-(gateway/observability/history.py).
+from bucket deltas against the history's oldest snapshot), the latest requests' stages
+(gateway/observability/recent.py), the agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes
+newer than `?history_since=` (gateway/observability/history.py).
 
 Apart from the history's sampler (one sample every 5 s), nothing here runs unless the page polls; the
 recent-requests ring records only while polls keep coming.

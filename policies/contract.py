@@ -48,8 +48,8 @@ STAGE_SERIES = {
 
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
     """The q-quantile of a histogram, interpolated within its bucket as Prometheus' histogram_quantile does.
-    `counts`: per bucket, not cumulative, one per bound then +Inf (a trailing sum, as gateway/observability/metrics.py keeps it,
-    is ignored). None without observations; a quantile in the +Inf bucket is the last finite bound."""
+    `counts`: per bucket, not cumulative, one per bound then +Inf (a trailing sum, as gateway/observability/metrics.py
+    keeps it, is ignored). None without observations; a quantile in the +Inf bucket is the last finite bound."""
     buckets = list(counts[: len(bounds) + 1])
     total = sum(buckets)
     if total <= 0:

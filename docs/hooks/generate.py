@@ -321,10 +321,10 @@ def _contract_table(contract: dict[str, Any], folder: str) -> list[str]:
     out = [f"\n**{contract['name']}**\n", "| layer | module | what |\n|---|---|---|"]
     for i, layer in enumerate(layers, 1):
         for module in (m.strip() for m in layer.split("|")):
-            if (ROOT / folder / module).is_dir():
-                out.append(f"| {i} | `{folder}/{module}/` | {_cell(_summary(ROOT / folder / module / '__init__.py'))} |")
-            else:
-                out.append(f"| {i} | `{folder}/{module}.py` | {_cell(_summary(ROOT / folder / f'{module}.py'))} |")
+            package = (ROOT / folder / module).is_dir()
+            path, shown = (ROOT / folder / module / "__init__.py", f"{folder}/{module}/") if package else \
+                (ROOT / folder / f"{module}.py", f"{folder}/{module}.py")
+            out.append(f"| {i} | `{shown}` | {_cell(_summary(path))} |")
     return out
 
 

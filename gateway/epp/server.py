@@ -1,7 +1,8 @@
 """`m3gate epp`: the endpoint picker's process. One event loop serves both doors' needs: the ext_proc gRPC service
-(gateway/epp/picker.py) with the gRPC health services the Gateway API Inference Extension names (`liveness`, `readiness`,
-`envoy.service.ext_proc.v3.ExternalProcessor`) on `port`, and on `http_port` the gateway's own HTTP app, exactly as
-`m3gate serve` builds it (/metrics, the status page /ui, /admin/*, /health, and the OpenAI endpoints themselves)."""
+(gateway/epp/picker.py) with the gRPC health services the Gateway API Inference Extension names (`liveness`,
+`readiness`, `envoy.service.ext_proc.v3.ExternalProcessor`) on `port`, and on `http_port` the gateway's own HTTP app,
+exactly as `m3gate serve` builds it (/metrics, the status page /ui, /admin/*, /health, and the OpenAI endpoints
+themselves)."""
 
 from __future__ import annotations
 

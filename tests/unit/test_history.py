@@ -1,4 +1,5 @@
-"""The status page's history (gateway/observability/history.py) and how the page learns whether it needs a key (GET /ui/access)."""
+"""The status page's history (gateway/observability/history.py) and how the page learns whether it needs a key
+(GET /ui/access)."""
 
 from __future__ import annotations
 
