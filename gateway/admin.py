@@ -175,7 +175,7 @@ async def admin_sessions(request: Request) -> Response:
 
 async def admin_capacity(request: Request) -> Response:
     """Per pool and role: current and desired replicas, the bottleneck, predicted p95s at both counts, the demand
-    (gateway/capacity.py)."""
+    (gateway/capacity/signal.py)."""
     if (denied := _authorized(request)) is not None:
         return denied
     return JSONResponse(request.app.state.gateway.capacity.view())

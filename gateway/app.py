@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gateway.admin import admin_routes
 from gateway.coordinator import Coordinator
 from gateway.errors import error_response
-from gateway.history import History
+from gateway.observability.history import History
 from gateway.reload import ConfigReloader
 from gateway.routes import generate_endpoints, routes
 from gateway.runtime import Gateway

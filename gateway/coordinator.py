@@ -6,7 +6,7 @@ plug in without being inlined: traffic control admits (`gateway/admission.py`), 
 block hashes (`gateway/precise.py`), `Upstream` makes each upstream call and says how it went
 (`gateway/upstream.py`), the relay streams the answer (`gateway/relay.py`), the P/D path serves disaggregated pools
 (`gateway/disagg.py`), `Learning` feeds the estimates (`gateway/learning.py`), telemetry observes
-(`gateway/telemetry.py`). `finished` is the single end of every request, however it ended.
+(`gateway/observability/telemetry.py`). `finished` is the single end of every request, however it ended.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ class Coordinator:
         self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes
     ) -> tuple[list[Target], Mapping[str, RoutingRequest]]:
         """The targets to try, in order, and per pool the request as precise routing saw it: what `forward` sends to,
-        and what the endpoint picker (gateway/epp.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
+        and what the endpoint picker (gateway/epp/picker.py) hands Envoy. Raises 503 (no replica) or 429 (shed)."""
         gw = self.gw
         routings = await gw.precise.routings(choice, routing, payload, record.api, gw.pools) if gw.precise else {}
         targets = self.choose_replicas(choice, routing, routings)

@@ -81,7 +81,8 @@ class RequestRecord:
     done: bool = False  # `Coordinator.finished` ran (it runs once)
     pd: PDRecord | None = None  # the P/D path's state, on a disaggregated pool only
     itl: tuple[list[float], tuple[float, ...]] | None = None  # a stream's inter-token series (metrics.BucketSeries)
-    engine: EngineSplit | None = None  # the replica's timing, once its span was joined (gateway/engine_spans.py)
+    # the replica's timing, once its span was joined (gateway/observability/engine_spans.py)
+    engine: EngineSplit | None = None
     admission_ticket: Releasable | None = None  # the admission slot, held until `finished`
     migrations: int = 0  # times the stream was resumed on another replica after its replica failed (gateway/migration/)
     t_cut: float = 0.0  # the first such failure

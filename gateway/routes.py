@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.coordinator import Coordinator
-from gateway.engine_spans import engine_span_routes
+from gateway.observability.engine_spans import engine_span_routes
 from gateway.errors import error_response, rejected_response
-from gateway.metrics import metrics_routes
+from gateway.observability.metrics import metrics_routes
 from gateway.runtime import Gateway
 from policies.errors import RequestRejected
 from pools.replica_tokenize import post_tokenize

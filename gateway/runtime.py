@@ -13,13 +13,13 @@ from typing import Any
 import aiohttp
 
 from gateway.admission import TrafficControl
-from gateway.capacity import CapacitySignal
+from gateway.capacity.signal import CapacitySignal
 from gateway.discovery import DiscoveryManager
 from gateway.precise import PreciseRouting
-from gateway.recent import RecentRequests
+from gateway.observability.recent import RecentRequests
 from gateway.relay import DisconnectWatches
 from gateway.sessions import SessionTracker
-from gateway.telemetry import Telemetry
+from gateway.observability.telemetry import Telemetry
 from policies.admission import pool_saturated
 from policies.config import GatewayConfig
 from policies.estimates import TokenEstimateRatios

@@ -6,9 +6,9 @@ URL); with `admin.ui_open_on_loopback` loopback clients need no key. /ui/access 
 needed? this key accepted?), so that the page never logs a refused request. /ui/state reads what the gateway already
 keeps: the pools' replicas (gateway/admin.py's view), the traffic classes' queues (gateway/admission.py), the config
 reload status, the gateway's own latency histograms (per-class TTFT / TPOT percentiles over the last five minutes,
-from bucket deltas against the history's oldest snapshot), the latest requests' stages (gateway/recent.py), the
-agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes newer than `?history_since=`
-(gateway/history.py).
+from bucket deltas against the history's oldest snapshot), the latest requests' stages
+(gateway/observability/recent.py), the agent sessions (gateway/sessions.py) and the chart points of the last 15 minutes
+newer than `?history_since=` (gateway/observability/history.py).
 
 Apart from the history's sampler (one sample every 5 s), nothing here runs unless the page polls; the
 recent-requests ring records only while polls keep coming.
@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from gateway.admin import LOOPBACK, check_admin, replica_view
 from gateway.errors import error_response
-from gateway.history import History, class_counts, delta
+from gateway.observability.history import History, class_counts, delta
 from gateway.runtime import Gateway
 from policies.contract import histogram_quantile
 from policies.traffic import pool_class
@@ -95,7 +95,7 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
     view = replica_view(gw)
     config = gw.config
     by_size = config.pools_by_size()
-    sizing = gw.capacity.entries  # the capacity signal per (pool, role) (gateway/capacity.py)
+    sizing = gw.capacity.entries  # the capacity signal per (pool, role) (gateway/capacity/signal.py)
     out = []
     for name, pool_view in view.items():
         runtime = gw.pools[name]

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.launcher import free_port
+from gateway.cli.launcher import free_port
 from loadtests.bench_overhead import chat_body
 from loadtests.replicas import bench_config, sim_pool
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

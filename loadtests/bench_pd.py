@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"

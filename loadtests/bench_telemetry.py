@@ -46,10 +46,10 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
-from gateway.telemetry import SpanBatcher, Telemetry
+from gateway.observability.telemetry import SpanBatcher, Telemetry
 from loadtests.bench_overhead import GW_CPU, LOAD_CPU
 from loadtests.replicas import pin, thread_cpu_seconds
 from policies.config import GatewayConfig

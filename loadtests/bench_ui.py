@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 from gateway.record import RequestRecord
-from gateway.recent import RecentRequests
+from gateway.observability.recent import RecentRequests
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from loadtests.harness import write_results
 from loadtests.private_redis import PrivateRedis
 from pools.replicas import EJECT_MAX_S

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.contract import write_contract
+from gateway.cli.contract import write_contract
 from policies.config import GatewayConfig
 from policies.contract import STAGE_SERIES, Contract, build_contract, check, histogram_quantile, observed_from_samples
 from policies.traffic import pool_class

@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from loadtests.harness import write_results
 from loadtests.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim

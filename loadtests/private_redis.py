@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from gateway.launcher import free_port
+from gateway.cli.launcher import free_port
 
 
 class PrivateRedis:

@@ -228,8 +228,8 @@ def sim_pool(count: int, max_model_len: int = 32768, extra_args: Sequence[str] =
 
 @contextmanager
 def gateway(config: Mapping[str, Any], cpus: set[int] | None = None) -> Iterator[Any]:
-    """A gateway process (gateway.launcher) for the duration of the block, optionally pinned."""
-    from gateway.launcher import start_gateway
+    """A gateway process (gateway.cli.launcher) for the duration of the block, optionally pinned."""
+    from gateway.cli.launcher import start_gateway
 
     gw = start_gateway(config)
     try:
@@ -259,7 +259,7 @@ class GatewayProc:
 
     def __init__(self, config: Mapping[str, Any], serve_module: Sequence[str] | None = None,
                  cpus: set[int] | None = None, timeout: float = 30.0) -> None:
-        from gateway.launcher import free_port
+        from gateway.cli.launcher import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -49,7 +49,7 @@ beyond two standard errors of its noise, `arrival_trend`, so that noise under co
 `risk_factor` checks the model against the latencies measured: a target missed at the serving count that the model
 does not predict scales the demand until it does, so a target at risk raises the signal at once.
 
-Pure: no clock, no I/O; the gateway (gateway/capacity.py) and `m3gate plan` feed it.
+Pure: no clock, no I/O; the gateway (gateway/capacity/signal.py) and `m3gate plan` feed it.
 """
 
 from __future__ import annotations

@@ -740,8 +740,8 @@ class SessionsConfig(_Strict):
 
 
 class CapacityConfig(_Strict):
-    """The capacity signal (policies/capacity.py, gateway/capacity.py): how many replicas each pool and role needs for
-    its classes' targets at the current demand, exported as m3gate_pool_desired_replicas for an autoscaler."""
+    """The capacity signal (policies/capacity.py, gateway/capacity/signal.py): how many replicas each pool and role
+    needs for its classes' targets at the current demand, exported as m3gate_pool_desired_replicas for an autoscaler."""
 
     scale_down_stabilization_s: float = Field(
         default=300.0, ge=0, le=86_400, description="The signal falls only this long after its last change, and only "

@@ -28,7 +28,7 @@ from policies.traffic import pool_class
 
 METRICS = ("ttft", "tpot", "e2e")
 METRIC_TITLES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "end to end"}
-# The gateway's histogram of each target metric, and its label of the class (gateway/metrics.py).
+# The gateway's histogram of each target metric, and its label of the class (gateway/observability/metrics.py).
 METRIC_SERIES = {
     "ttft": "m3gate_time_to_first_token_seconds",
     "tpot": "m3gate_time_per_output_token_seconds",
@@ -48,8 +48,8 @@ STAGE_SERIES = {
 
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
     """The q-quantile of a histogram, interpolated within its bucket as Prometheus' histogram_quantile does.
-    `counts`: per bucket, not cumulative, one per bound then +Inf (a trailing sum, as gateway/metrics.py keeps it,
-    is ignored). None without observations; a quantile in the +Inf bucket is the last finite bound."""
+    `counts`: per bucket, not cumulative, one per bound then +Inf (a trailing sum, as gateway/observability/metrics.py
+    keeps it, is ignored). None without observations; a quantile in the +Inf bucket is the last finite bound."""
     buckets = list(counts[: len(bounds) + 1])
     total = sum(buckets)
     if total <= 0:

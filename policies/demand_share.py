@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import orjson
 
 WIRE_VERSION = 1
-N_SUMS = 6  # finished, answered, prompt, cached, output, estimated (gateway/capacity.py's per-interval sums)
+N_SUMS = 6  # finished, answered, prompt, cached, output, estimated (gateway/capacity/signal.py's per-interval sums)
 COST_MEMORY = 200.0  # ≈ 1 / (1 − forget) of PrefillCost and DecodeCost: the samples a learnt cost still rests on
 
 Key = tuple[str, str]

@@ -17,9 +17,9 @@ nothing here is awaited on the request path:
   gateways is one session everywhere.
 - A poller task reads the other gateways' snapshots every `poll_interval_s` and sums them per replica;
   `remote_in_flight` is then a dict lookup.
-- The capacity signal (gateway/capacity.py) calls `exchange_capacity` once per `capacity.interval_s`: ONE pipeline
-  that SETs this gateway's demand share (policies/demand_share.py's bytes, TTL a few intervals) and MGETs the other
-  live gateways' (the registry as the poller last read it), so every gateway sizes the pools from the same demand.
+- The capacity signal (gateway/capacity/signal.py) calls `exchange_capacity` once per `capacity.interval_s`: ONE
+  pipeline that SETs this gateway's demand share (policies/demand_share.py's bytes, TTL a few intervals) and MGETs the
+  other live gateways' (the registry as the poller last read it), so every gateway sizes the pools from the same demand.
 
 Redis is an optimisation, never a dependency: when it is unreachable the gateway routes from its own view, logs once,
 keeps only the newest `max_buffer` dispatches, reconnects with back-off and, once Redis answers again, catches up (the

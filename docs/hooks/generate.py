@@ -305,13 +305,27 @@ def layers_markdown() -> str:
         what = _summary(ROOT / name / "__init__.py") or PACKAGES.get(name, "")
         out.append(f"| {i} | `{name}/` | {_cell(what)} |")
     for cid in ("gateway", "policies"):
-        contract = contracts[cid]
-        out.append(f"\n**{contract['name']}**\n")
-        out.append("| layer | module | what |\n|---|---|---|")
-        for i, layer in enumerate(contract["layers"], 1):
+        out.extend(_contract_table(contracts[cid], cid))
+        # then each subpackage's own contract (ids "gateway-<package>"), in the order the package's layers name them
+        for layer in contracts[cid]["layers"]:
             for module in (m.strip() for m in layer.split("|")):
-                out.append(f"| {i} | `{cid}/{module}.py` | {_cell(_summary(ROOT / cid / f'{module}.py'))} |")
+                if f"{cid}-{module}" in contracts:
+                    out.extend(_contract_table(contracts[f"{cid}-{module}"], f"{cid}/{module}"))
     return "\n".join(out) + "\n"
+
+
+def _contract_table(contract: dict[str, Any], folder: str) -> list[str]:
+    """One contract as a table: its layers (an independence contract: one layer of independent modules), each
+    module (or subpackage, named by its folder) with its docstring summary."""
+    layers = contract.get("layers") or [" | ".join(m.rsplit(".", 1)[1] for m in contract["modules"])]
+    out = [f"\n**{contract['name']}**\n", "| layer | module | what |\n|---|---|---|"]
+    for i, layer in enumerate(layers, 1):
+        for module in (m.strip() for m in layer.split("|")):
+            package = (ROOT / folder / module).is_dir()
+            path, shown = (ROOT / folder / module / "__init__.py", f"{folder}/{module}/") if package else \
+                (ROOT / folder / f"{module}.py", f"{folder}/{module}.py")
+            out.append(f"| {i} | `{shown}` | {_cell(_summary(path))} |")
+    return out
 
 
 def rendered_commands_markdown() -> str:

@@ -1,8 +1,8 @@
 """`PreciseCollector`: the Prometheus families of precise routing, read at scrape time (nothing on the hot path).
 
 Per source the event stream's counters and the index's size and freshness; per pool how replicas were scored and
-how many requests got exact hashes. Registered by the gateway's metrics (gateway/metrics.py), which reads the pools
-that exist at each scrape: precise pools come and go with config reloads.
+how many requests got exact hashes. Registered by the gateway's metrics (gateway/observability/metrics.py), which reads
+the pools that exist at each scrape: precise pools come and go with config reloads.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import running_sims
 from pools.vllm_local.paths import cache_dir
 from tests.support.tools import REQUIRE_ENV, tools_required

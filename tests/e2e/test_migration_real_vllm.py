@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.vllm_local.launcher import start_servers
 from pools.vllm_local.processes import VllmServer, stop_all
 from tests.vllm_fixtures import SKIP_ENV, vllm_skipped

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 from pools.sim.launcher import SimProcess
 from tests.e2e.conftest import MODEL, gateway_config
 
@@ -222,7 +222,7 @@ def test_unknown_path_is_openai_shaped_404(gateway) -> None:  # type: ignore[no-
 
 def test_pool_gets_its_own_key_never_the_clients() -> None:
     """The replica (started with --api-key) accepts only the pool's key from config: the client's is not sent."""
-    from gateway.launcher import start_gateway
+    from gateway.cli.launcher import start_gateway
     from pools.sim.launcher import start_sim
 
     sim = start_sim(32768, extra_args=["--api-key", "pool-secret", "--instant"])

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from policies.tokens import TokenCounter
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 
 pytestmark = pytest.mark.vllm
 

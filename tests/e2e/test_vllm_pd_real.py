@@ -202,7 +202,7 @@ def test_through_m3gate_with_the_openai_sdk(pd_pair: PdPair, client: httpx.Clien
     servers → one ordinary streamed answer, whose prompt the decode server pulled over NIXL."""
     import openai
 
-    from gateway.launcher import start_gateway
+    from gateway.cli.launcher import start_gateway
 
     gw = start_gateway({
         "model": MODEL,

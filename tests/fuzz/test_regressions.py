@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, start_sim
 
 pytestmark = [pytest.mark.fuzz]

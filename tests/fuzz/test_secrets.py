@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from loadtests.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim
 

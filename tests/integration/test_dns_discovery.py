@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from gateway.app import build_app
-from gateway.launcher import free_port
+from gateway.cli.launcher import free_port
 from policies.config import GatewayConfig
 from pools.sim.launcher import SimProcess, start_sim
 

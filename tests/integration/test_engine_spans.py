@@ -30,7 +30,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
-from gateway.engine_spans import (
+from gateway.observability.engine_spans import (
     ATTEMPT_TTL_S,
     MAX_ATTEMPTS,
     EngineSpans,
@@ -330,7 +330,7 @@ def test_forwarding_over_grpc_sends_the_same_request(monkeypatch: pytest.MonkeyP
     import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-    from gateway.telemetry import build_exporter
+    from gateway.observability.telemetry import build_exporter
 
     got: list[ExportTraceServiceRequest] = []
 
@@ -455,7 +455,7 @@ async def test_a_tracing_simulator_behind_the_gateway_splits_the_engine_stages()
 
 
 def test_a_reload_turns_the_receiver_on_and_off_and_rebuilds_forwarding() -> None:
-    from gateway.telemetry import Telemetry
+    from gateway.observability.telemetry import Telemetry
 
     sink = OtlpSink(keep=True)
     base = {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": sink.url}

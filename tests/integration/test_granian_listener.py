@@ -8,7 +8,7 @@ from __future__ import annotations
 import granian  # noqa: F401 - in the test extra: a missing or broken install fails here, it never skips
 import httpx
 
-from gateway.launcher import start_gateway
+from gateway.cli.launcher import start_gateway
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

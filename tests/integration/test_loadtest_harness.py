@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from loadtests.client import Target
 from loadtests.harness import execute
 from loadtests.oracle import oracle_hit_rates, prompt_token_count

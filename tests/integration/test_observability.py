@@ -28,8 +28,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
-from gateway.launcher import GatewayProcess, start_gateway
-from gateway.telemetry import Telemetry
+from gateway.cli.launcher import GatewayProcess, start_gateway
+from gateway.observability.telemetry import Telemetry
 from policies.config import GatewayConfig
 from pools.sim.launcher import SimProcess, start_sim
 

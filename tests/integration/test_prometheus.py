@@ -33,7 +33,7 @@ from loadtests.observability_stack import (
     template_queries,
     wait_for_scrapes,
 )
-from gateway.contract import BOUNDS
+from gateway.cli.contract import BOUNDS
 from policies.config import GatewayConfig
 from policies.contract import build_contract, check, slo_rules, to_html
 from tests.support.tools import tools_required
@@ -190,7 +190,7 @@ def test_the_deploy_slo_rules_are_current_and_promtool_unit_tests_pass(tmp_path:
     """deploy/prometheus/slo/m3gate-slo.yml is what `m3gate contract deploy/compose/pools.yaml --rules` writes; and
     promtool's rule unit test, over the rules' real windows: a class whose every request misses its TTFT P95 pages
     within the hour, a class within its targets stays silent."""
-    from gateway.contract import rules_yaml
+    from gateway.cli.contract import rules_yaml
     from policies.config import load_config
 
     from policies.contract import to_markdown

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.replicas import EJECT_AFTER_5XX
 from pools.sim.launcher import SimProcess, running_sims
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
 from tests.support.rolling_restart import MODEL, Load, gateway_config, replica_view, restart, sim_args
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from policies.prefix import prefix_blocks
 from policies.replica_choice import rendezvous_weight
 from pools.sim.launcher import SimProcess, running_sims

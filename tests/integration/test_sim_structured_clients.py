@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

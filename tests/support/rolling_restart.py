@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 
-from gateway.launcher import GatewayProcess
+from gateway.cli.launcher import GatewayProcess
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"

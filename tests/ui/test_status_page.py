@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.contract import write_contract
-from gateway.launcher import GatewayProcess, start_gateway
+from gateway.cli.contract import write_contract
+from gateway.cli.launcher import GatewayProcess, start_gateway
 from policies.config import GatewayConfig
 from policies.contract import build_contract, check, observed_from_samples
 from pools.sim.launcher import SimProcess, running_sims

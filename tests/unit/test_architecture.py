@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,8 @@ def _copy_tree(dest: Path) -> Path:
 def test_every_layering_contract_is_kept() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "Contracts: 4 kept, 0 broken." in result.stdout
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in result.stdout
 
 
 def test_an_upward_import_breaks_the_check(tmp_path: Path) -> None:

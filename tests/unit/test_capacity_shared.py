@@ -1,5 +1,5 @@
-"""gateway/capacity.py with other gateways' demand shares (what `state: redis` brings it): two gateways that each saw
-part of the traffic, uneven, size the pools exactly as one gateway that saw all of it, and publish the same figure;
+"""gateway/capacity/signal.py with other gateways' demand shares (what `state: redis` brings it): two gateways that each
+saw part of the traffic, uneven, size the pools exactly as one gateway that saw all of it, and publish the same figure;
 a gateway that joins running ones starts from their signal instead of measuring a window first."""
 
 from __future__ import annotations

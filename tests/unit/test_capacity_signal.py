@@ -1,5 +1,5 @@
-"""gateway/capacity.py in a real (unstarted) gateway: finished requests become the demand the sizing model is fed,
-the signal is exported as m3gate_pool_desired_replicas{pool,role} beside m3gate_pool_replicas (both roles of a
+"""gateway/capacity/signal.py in a real (unstarted) gateway: finished requests become the demand the sizing model is
+fed, the signal is exported as m3gate_pool_desired_replicas{pool,role} beside m3gate_pool_replicas (both roles of a
 disaggregated pool), GET /admin/capacity explains it, and the decode step cost is learnt from the streams' gaps."""
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import build_app
-from gateway.contract import BOUNDS
+from gateway.cli.contract import BOUNDS
 from gateway.record import RequestRecord
-from gateway.recent import RecentRequests
+from gateway.observability.recent import RecentRequests
 from policies.config import GatewayConfig
 from policies.contract import (
     build_contract, check, histogram_quantile, observed_from_samples, passed, sli_bound, slo_rules, to_html,
@@ -154,7 +154,7 @@ def test_m3gate_contract_writes_files_and_rules_and_fails_on_an_unreachable_prom
 
     import yaml
 
-    from gateway.cli import main
+    from gateway.cli.commands import main
 
     tmp = Path(str(tmp_path))
     pools = tmp / "pools.yaml"

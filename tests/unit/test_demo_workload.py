@@ -1,4 +1,4 @@
-"""The demo's sample workload (gateway/demo_workload.py): every kind early and at its cadence, each body shaped for
+"""The demo's sample workload (gateway/cli/demo_workload.py): every kind early and at its cadence, each body shaped for
 the pool it is meant to reach."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import takewhile
 
-from gateway.demo_workload import KINDS, REPOSITORY_TOKENS, request_body, schedule
+from gateway.cli.demo_workload import KINDS, REPOSITORY_TOKENS, request_body, schedule
 from policies.classify import classify
 from policies.config import ClassificationConfig
 from policies.tokens import TokenCounter

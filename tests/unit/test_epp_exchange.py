@@ -16,9 +16,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from google.protobuf import struct_pb2
 
-from gateway import epp_wire as wire
+from gateway.epp import wire
 from gateway.app import build_app
-from gateway.epp import EndpointPicker
+from gateway.epp.picker import EndpointPicker
 from policies.config import GatewayConfig
 from pools.replicas import EJECT_AFTER_5XX
 

@@ -1,4 +1,5 @@
-"""The status page's history (gateway/history.py) and how the page learns whether it needs a key (GET /ui/access)."""
+"""The status page's history (gateway/observability/history.py) and how the page learns whether it needs a key
+(GET /ui/access)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from gateway.app import build_app
-from gateway.history import History
+from gateway.observability.history import History
 from gateway.runtime import Gateway
 from policies.config import GatewayConfig
 from policies.contract import histogram_quantile

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.commands import main
 from policies.config import ConfigError, parse_config
 from policies.launch import render
 

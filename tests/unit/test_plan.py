@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
-from gateway.plan import PlanError, read_trace
+from gateway.cli.commands import main
+from gateway.capacity.plan import PlanError, read_trace
 
 CONFIG = """
 model: MiniMaxAI/MiniMax-M3

@@ -122,7 +122,7 @@ def test_the_tokenize_proxy_drains_a_replica_that_refuses_connections_and_asks_t
     import httpx
 
     from gateway.app import build_app
-    from gateway.launcher import free_port
+    from gateway.cli.launcher import free_port
     from policies.config import GatewayConfig
 
     async def run() -> None:

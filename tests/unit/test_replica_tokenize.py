@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from gateway.launcher import free_port
+from gateway.cli.launcher import free_port
 from pools.replica_tokenize import TokenizeAnswer, post_tokenize
 
 REFUSAL = (b'{"error":{"message":"cannot schedule new futures after shutdown","type":"InternalServerError",'

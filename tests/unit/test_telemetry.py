@@ -13,10 +13,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway.metrics import error_type, routing_reason, scrape_targets
+from gateway.observability.metrics import error_type, routing_reason, scrape_targets
 from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
-from gateway.telemetry import DiscardingSpanExporter, Telemetry, build_exporter, tracing_enabled
+from gateway.observability.telemetry import DiscardingSpanExporter, Telemetry, build_exporter, tracing_enabled
 from policies.config import GatewayConfig, TracingConfig, parse_config
 from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime, ScrapedLoad
@@ -532,7 +532,7 @@ def test_spans_reach_an_otlp_http_receiver_and_unsampled_requests_send_none() ->
 @pytest.mark.parametrize(("ratio", "warned"), [(None, True), (1.0, True), (0.01, False)])
 def test_sampling_every_request_for_export_is_warned_about(ratio: float | None, warned: bool,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    from gateway.telemetry import Tracing
+    from gateway.observability.telemetry import Tracing
 
     cfg = TracingConfig(enabled=True, exporter="otlp", protocol="http/protobuf", endpoint="http://127.0.0.1:9",
                         sample_ratio=ratio)

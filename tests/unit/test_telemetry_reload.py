@@ -12,10 +12,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-import gateway.telemetry as telemetry_module
-from gateway.metrics import ITL_BUCKETS, HistogramTable
+import gateway.observability.telemetry as telemetry_module
+from gateway.observability.metrics import ITL_BUCKETS, HistogramTable
 from gateway.record import RequestRecord
-from gateway.telemetry import SpanBatcher, Telemetry
+from gateway.observability.telemetry import SpanBatcher, Telemetry
 from policies.config import GatewayConfig, parse_config
 from pools.replicas import PoolRuntime
 from tests.unit.test_telemetry import A, B, CALLER, MODEL, StubGateway

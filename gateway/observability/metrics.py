@@ -291,7 +291,7 @@ class RequestMetrics:
         self.prefill = histogram("m3gate_prefill_seconds", "Sent to the replica until its first token's event "
                                  "(replica queue + prefill + network).", cls, STAGE_BUCKETS)
         self.decode = histogram("m3gate_decode_seconds", "First to last token's event (streams).", cls, STAGE_BUCKETS)
-        # vLLM's own timings of a sampled request, from its llm_request span (gateway/engine_spans.py)
+        # vLLM's own timings of a sampled request, from its llm_request span (gateway/observability/engine_spans.py)
         self.engine_queue = histogram("m3gate_engine_queue_seconds", "Waiting in the replica's scheduler queue "
                                       "(vLLM's gen_ai.latency.time_in_queue; sampled requests of tracing replicas).",
                                       cls, STAGE_BUCKETS)
@@ -605,7 +605,7 @@ class ReplicaCollector:
         yield from (healthy, available, ejections, draining, drains, in_flight, waiting, running, kv, queries, hits,
                     age, replicas, live)
         capacity = getattr(gw, "capacity", None)
-        if capacity is not None:  # the capacity signal (gateway/capacity.py): what an autoscaler follows
+        if capacity is not None:  # the capacity signal (gateway/capacity/signal.py): what an autoscaler follows
             desired = GaugeMetricFamily("m3gate_pool_desired_replicas", "Replicas the pool role needs for its "
                                         "classes' TTFT/TPOT p95 targets at the current demand, queueing included "
                                         "(stabilized; role: both, prefill or decode).", labels=["pool", "role"])

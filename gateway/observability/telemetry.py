@@ -57,8 +57,8 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceSt
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import Status, StatusCode
 
-from gateway.engine_spans import EngineSpans
-from gateway.metrics import (
+from gateway.observability.engine_spans import EngineSpans
+from gateway.observability.metrics import (
     STAGE_BUCKETS,
     CounterTable,
     GatewayMetrics,
@@ -728,7 +728,7 @@ class Telemetry:
         self.tracing = self._build_tracing(cfg)
         self._retiring: set[Tracing] = set()
         self._off = self.metrics is None and self.tracing is None
-        # the replicas' llm_request spans, joined to sampled attempts (gateway/engine_spans.py)
+        # the replicas' llm_request spans, joined to sampled attempts (gateway/observability/engine_spans.py)
         self.engine_spans = EngineSpans(lambda: self.metrics.requests if self.metrics is not None else None,
                                         self._clock)
         if self._registry is not None:

@@ -1,7 +1,8 @@
 """`m3gate epp`: the endpoint picker's process. One event loop serves both doors' needs: the ext_proc gRPC service
-(gateway/epp.py) with the gRPC health services the Gateway API Inference Extension names (`liveness`, `readiness`,
-`envoy.service.ext_proc.v3.ExternalProcessor`) on `port`, and on `http_port` the gateway's own HTTP app, exactly as
-`m3gate serve` builds it (/metrics, the status page /ui, /admin/*, /health, and the OpenAI endpoints themselves)."""
+(gateway/epp/picker.py) with the gRPC health services the Gateway API Inference Extension names (`liveness`,
+`readiness`, `envoy.service.ext_proc.v3.ExternalProcessor`) on `port`, and on `http_port` the gateway's own HTTP app,
+exactly as `m3gate serve` builds it (/metrics, the status page /ui, /admin/*, /health, and the OpenAI endpoints
+themselves)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import uvicorn
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.epp import EndpointPicker
+from gateway.epp.picker import EndpointPicker
 from gateway.runtime import Gateway
 from gateway.server import GatewayHttpProtocol, load_app
 

@@ -19,11 +19,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from gateway.runtime import Gateway
+from gateway.observability.telemetry import Telemetry
+from policies.config import GatewayConfig
 from policies.contract import histogram_quantile
+from pools.replicas import PoolRuntime
 from pools.tasks import cancel_and_wait
 
 log = logging.getLogger("m3gate.history")
@@ -34,6 +36,16 @@ TRAILING_S = 60.0  # each point's percentiles and rate cover the minute before i
 TABLE_WINDOW_S = 300.0  # the page's class table: latency and rates over the last five minutes
 
 ClassCounts = dict[str, dict[str, list[float]]]  # class → kind (ttft, tpot, e2e, requests, r429) → counts
+
+
+class Gateway(Protocol):
+    """What the history reads of the gateway it samples (gateway/runtime.py's `Gateway`), named here so that
+    observability imports nothing above it: its clock, its metrics, its pools' replicas, and whether the page is on."""
+
+    clock: Callable[[], float]
+    telemetry: Telemetry
+    pools: Mapping[str, PoolRuntime]
+    config: GatewayConfig
 
 
 def class_counts(gw: Gateway) -> ClassCounts | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.metrics import STAGE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from gateway.observability.metrics import STAGE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from policies.config import GatewayConfig
 from policies.contract import Contract, slo_rules, to_html, to_json, to_markdown
 

@@ -1,5 +1,5 @@
 """The endpoint picker: the gateway's decisions served to Envoy over ext_proc (the Gateway API Inference Extension's
-endpoint-picker protocol; gateway/epp_wire.py builds its messages).
+endpoint-picker protocol; gateway/epp/wire.py builds its messages).
 
 One coordinator, two front doors: `m3gate serve` relays each request itself; here Envoy relays it and asks, per
 request, where it goes. The steps are the coordinator's own (gateway/coordinator.py): keys and input limits,
@@ -33,7 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message
 
-from gateway import epp_wire as wire
+from gateway.epp import wire
 from gateway.coordinator import Coordinator
 from gateway.errors import QUEUE_MS_HEADER, UpstreamFailure, error_body, queue_ms, refusal_headers
 from gateway.record import RequestRecord

@@ -1,7 +1,7 @@
 """`m3gate demo`: three simulated pools and the gateway in one command, on loopback, with in-memory state.
 
 The pools are `m3gate sim` processes sized like the product's 32K interactive, 128K repository and 1M extended pools.
-Unless `--no-traffic`, the demo also sends its own light sample workload to the gateway (gateway/demo_workload.py)
+Unless `--no-traffic`, the demo also sends its own light sample workload to the gateway (gateway/cli/demo_workload.py)
 so that the status page is alive on first open. Ctrl-C (or SIGTERM) stops the traffic, the gateway and every
 simulator it started.
 """
@@ -19,7 +19,7 @@ import uvicorn
 import uvloop
 
 from gateway.app import build_app
-from gateway.demo_workload import DemoTraffic
+from gateway.cli.demo_workload import DemoTraffic
 from policies.config import GatewayConfig
 
 MODEL = "MiniMaxAI/MiniMax-M3"

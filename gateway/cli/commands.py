@@ -52,7 +52,7 @@ def _cmd_pools_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_contract(args: argparse.Namespace) -> int:
-    from gateway.contract import rules_yaml, write_contract
+    from gateway.cli.contract import rules_yaml, write_contract
     from policies.config import ConfigError, load_config
     from policies.contract import build_contract, check, passed, to_markdown
 
@@ -84,7 +84,7 @@ def _cmd_contract(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from gateway.plan import ClassLoad, PlanError, learnt_costs, plan, read_trace, to_markdown, trace_loads
+    from gateway.capacity.plan import ClassLoad, PlanError, learnt_costs, plan, read_trace, to_markdown, trace_loads
     from policies.capacity import EngineCosts
     from policies.config import ConfigError, load_config
 
@@ -143,14 +143,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_epp(args: argparse.Namespace) -> int:
-    from gateway.epp_server import run_epp
+    from gateway.epp.server import run_epp
 
     return run_epp(args.config, host=args.host, port=args.port, http_port=args.http_port,
                    response_processing=args.response_processing)
 
 
 def _cmd_envoy_config(args: argparse.Namespace) -> int:
-    from gateway.envoy_config import envoy_bootstrap, envoy_yaml
+    from gateway.epp.envoy_config import envoy_bootstrap, envoy_yaml
     from policies.config import ConfigError, load_config
 
     try:
@@ -194,7 +194,7 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
+    from gateway.cli.demo import run_demo
 
     return run_demo(port=args.port, traffic=not args.no_traffic)
 

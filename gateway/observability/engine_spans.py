@@ -6,8 +6,8 @@ http/protobuf`) exports one `llm_request` span per finished request, a child of 
 (`gen_ai.latency.time_in_queue`, `time_in_model_prefill`, `time_in_model_decode`). The gateway
 
 - remembers each sampled attempt's span id with its pool and class (`EngineSpans.remember`, called by
-  gateway/telemetry.py's `inject`) in a bounded map: vLLM's batch processor exports seconds after the request ended,
-  so the join waits for the span rather than the request;
+  gateway/observability/telemetry.py's `inject`) in a bounded map: vLLM's batch processor exports seconds after the
+  request ended, so the join waits for the span rather than the request;
 - accepts `POST /v1/traces` (protobuf, gzip or not; 200 with an empty `ExportTraceServiceResponse` as a collector
   answers; 400 / 413 / 415 for what it cannot take), decodes it off the event loop, and folds each `llm_request` whose
   parent is a remembered attempt of the same trace into `m3gate_engine_{queue,prefill,decode}_seconds{pool,class}`,
@@ -52,7 +52,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.errors import error_response
-from gateway.metrics import RequestMetrics
+from gateway.observability.metrics import RequestMetrics
 from gateway.record import EngineSplit, RequestRecord
 from policies.config import TracingConfig
 

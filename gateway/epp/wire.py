@@ -1,4 +1,5 @@
-"""The ext_proc messages the endpoint picker sends Envoy, built in one place (gateway/epp.py decides what they say).
+"""The ext_proc messages the endpoint picker sends Envoy, built in one place (gateway/epp/picker.py decides
+what they say).
 
 The protocol is the Gateway API Inference Extension's (docs/proposals/004-endpoint-picker-protocol): the picked
 endpoints go in the `x-gateway-destination-endpoint` header and, with the same value, in the dynamic metadata
