@@ -34,7 +34,6 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from loadtests.client import RunOutput, Target
 from loadtests.harness import execute, run_dir
 from loadtests.oracle import oracle_hit_rates, token_structure
 from loadtests.replicas import GatewayProc, gateway_config, sim_pool, wait_gateway_sees
+from loadtests.report import routing_reasons
 from loadtests.workload import Plan, build_plan, load_workload
 from loadtests.workload_mix import agent_turns, lognormal
 
@@ -74,22 +74,6 @@ def agent_spec(quick: bool, seed: int = 11) -> dict[str, Any]:
             "slo": {"ttft_ms": 1000, "tpot_ms": 100},
         }],
     }
-
-
-def _scrape_gateway(url: str) -> dict[str, float]:
-    """m3gate_routing_decisions_total by reason (best effort: {} when the gateway has no such metric)."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("m3gate_routing_decisions_total{"):
-            labels, _, value = line.rpartition(" ")
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else "?"
-            out[reason] = out.get(reason, 0.0) + float(value)
-    return out
 
 
 def diagnostics(run: RunOutput, plan: Plan) -> dict[str, Any]:
@@ -257,7 +241,7 @@ def run_level(plan: Plan, speed: float, *, quick: bool, rounds: int, modes: tupl
                         time.sleep(0.6)  # one scrape of /metrics, so the gateway knows the KV sizes
                         report, run_out = execute(plan, Target(gateway=gw.url), replicas=pool.urls, out_dir=sub,
                                                   quiet=True, progress=progress, plots=not quick)
-                        reasons = _scrape_gateway(gw.url)
+                        reasons = routing_reasons(gw.url)
                 row = _row(mode, report)
                 per_mode[mode].append(row)
                 diag = diagnostics(run_out, plan)

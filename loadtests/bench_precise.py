@@ -81,7 +81,7 @@ import orjson
 from loadtests.client import Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import gateway, sim_pool, wait_gateway_sees
-from loadtests.report import stats_ms
+from loadtests.report import median_rows, stats_ms
 from loadtests.workload import build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -312,7 +312,7 @@ def run_scenario(scenario: Scenario, plan: Any, rounds: int, speed: float, token
                       f"{row['tail_cold']}/{row['tail']} cold)  {row['completed']}/"
                       f"{row['sent']} ok  reasons {metrics.get('reasons')}  ({time.monotonic() - started:.0f} s)",
                       flush=True)
-    rows = {m: _median(v) for m, v in per_mode.items()}
+    rows = {m: median_rows(v) for m, v in per_mode.items()}
     return {"scenario": scenario.__dict__, "rows": rows, "per_round": per_mode, "checks": checks(rows)}
 
 
@@ -331,16 +331,6 @@ def run(pressure: Pressure, rounds: int, scenarios: list[Scenario], speed: float
               "rounds": rounds, "scenarios": results, "verdict": verdict(results), "folder": str(folder)}
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     return result
-
-
-def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(rows[-1])
-    for key, value in rows[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            vals = [r[key] for r in rows if r.get(key) is not None]
-            median = statistics.median(vals) if vals else None
-            out[key] = round(median) if isinstance(value, int) and median is not None else median
-    return out
 
 
 def ratio(rows: dict[str, dict[str, Any]], key: str = "ttft_p95") -> float | None:

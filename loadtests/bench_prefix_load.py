@@ -38,7 +38,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -50,6 +49,7 @@ import numpy as np
 from loadtests.client import Target
 from loadtests.harness import execute, run_dir
 from loadtests.replicas import gateway, sim_pool, wait_gateway_sees
+from loadtests.report import median_rows, routing_reasons
 from loadtests.workload import Item, Plan, _assign_arrivals, build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -130,21 +130,6 @@ def gateway_config(urls: Sequence[str], router: str, routing_overrides: Mapping[
     }
 
 
-def routing_reasons(url: str) -> dict[str, float]:
-    """m3gate_routing_decisions_total by reason, from the gateway's /metrics."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("m3gate_routing_decisions_total{") and 'reason="' in line:
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(line.rpartition(" ")[2])
-    return out
-
-
 def group_stats(results: Sequence[Any], prefix_tokens: int) -> dict[str, Any]:
     """Repeat requests that missed (cached under one block of the shared prefix although the group was sent before)
     and, where the gateway names the replica, how many replicas served each group and the share on its main one."""
@@ -223,7 +208,7 @@ def run_variant(variant: str, shape: Shape, rates: Sequence[float], routers: Seq
                     per[f"{rate:g}"][router].append(row)
                     print(f"  {variant} {rate:g}/s round {rnd + 1} {router:11s} {_line(row)} "
                           f"({time.monotonic() - started:.0f} s)", flush=True)
-    rows = {rate: {router: _median(v) for router, v in by.items()} for rate, by in per.items()}
+    rows = {rate: {router: median_rows(v) for router, v in by.items()} for rate, by in per.items()}
     return {"variant": variant, "shape": shape.__dict__, "oracle": oracles, "rows": rows, "per_round": per,
             "checks": checks(variant, rows)}
 
@@ -238,16 +223,6 @@ def _line(r: Mapping[str, Any]) -> str:
 
 def _reasons(reasons: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "–"
-
-
-def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(rows[-1])
-    for key, value in rows[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            vals = [r[key] for r in rows if r.get(key) is not None]
-            median = statistics.median(vals) if vals else None
-            out[key] = round(median) if isinstance(value, int) and median is not None else median
-    return out
 
 
 def _fmt(v: Any, spec: str) -> str:

@@ -16,6 +16,8 @@ at least half the prompt cached), and, through a gateway, what m3gate measured f
 from __future__ import annotations
 
 import json
+import statistics
+import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -362,3 +364,31 @@ def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan:
 
         written += write_plots(run, report, out_dir)
     return written
+
+
+def median_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one configuration as one row: each numeric field's median (ints stay ints), the rest from the last
+    round."""
+    out = dict(rows[-1])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            median = statistics.median(vals) if vals else None
+            out[key] = round(median) if isinstance(value, int) and median is not None else median
+    return out
+
+
+def routing_reasons(gateway_url: str) -> dict[str, float]:
+    """m3gate_routing_decisions_total by reason from a gateway's /metrics (best effort: {} when unreachable)."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("m3gate_routing_decisions_total{"):
+            labels, _, value = line.rpartition(" ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else "?"
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
