@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.capacity import capacity_entry, desired_replicas
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 STABILIZATION_S = 6.0
@@ -87,16 +87,11 @@ class _Load:
 
 
 def _desired(gw: GatewayProcess) -> float | None:
-    text = httpx.get(gw.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "m3gate_pool_desired_replicas" and s.labels == {"pool": "chat", "role": "both"}:
-                return s.value
-    return None
+    return desired_replicas(gw.url)
 
 
 def _capacity(gw: GatewayProcess) -> dict:  # type: ignore[type-arg]
-    return httpx.get(gw.url + "/admin/capacity", timeout=10).json()["pools"]["chat"]["both"]
+    return capacity_entry(gw.url)
 
 
 class _Watch:
@@ -159,8 +154,14 @@ def test_the_signal_rises_under_overload_holds_while_steady_and_falls_back_after
         watch.end()
     assert len(calm) >= 8 and set(calm) == {1.0}, calm
     assert rise_s < 20, watch.changes()  # seconds on a loaded 2-core machine; the interval is 0.25 s
-    assert entry["bottleneck"] in ("prefill_compute", "gateway_queue"), entry
-    assert entry["desired"] > 1 and entry["predicted"]["current"]["meets_targets"] is False
+    assert entry["bottleneck"] in ("prefill_compute", "gateway_queue", "saturated"), entry
+    # raised because the model predicts a miss at the serving count, because the demand's steep rise is led a
+    # start-up ahead (lead_factor), because the measured TTFT p95 missed where the model predicted it met (the demand
+    # scaled by risk_factor), or because the slots were measured full and the queue growing
+    # (gateway/capacity/signal.py), whichever is seen first
+    assert entry["desired"] > 1 and (entry["predicted"]["current"]["meets_targets"] is False
+                                     or entry["lead_factor"] > 1.0 or entry["risk_factor"] > 1.0
+                                     or entry["saturated"]), entry
     assert entry["predicted"]["desired"]["meets_targets"] is True, entry
     demand = entry["demand"]["interactive"]
     # the long prompts show, as the classes' token mix once answers came back, or before that as the tokens the

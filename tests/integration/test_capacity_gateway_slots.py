@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import SimProcess, running_sims
+from tests.support.capacity import capacity_entry, desired_replicas
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 ANSWER_TOKENS = 100
@@ -52,16 +52,11 @@ def gateway(sim: SimProcess) -> Iterator[GatewayProcess]:
 
 
 def _desired(gw: GatewayProcess) -> float | None:
-    text = httpx.get(gw.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "m3gate_pool_desired_replicas" and s.labels == {"pool": "chat", "role": "both"}:
-                return s.value
-    return None
+    return desired_replicas(gw.url)
 
 
 def _capacity(gw: GatewayProcess) -> dict:  # type: ignore[type-arg]
-    return httpx.get(gw.url + "/admin/capacity", timeout=10).json()["pools"]["chat"]["both"]
+    return capacity_entry(gw.url)
 
 
 class _Paced:
