@@ -51,6 +51,9 @@ def test_a_rolling_restart_fails_no_request(replicas: tuple[int, list[SimProcess
         for i, sim in enumerate(sims):
             sims[i], result = restart(gw, sim, shutdown_timeout_s, nudge)
             restarts.append(result)
+        deadline = time.monotonic() + 30  # the gateway keeps serving the load once the last replica is back
+        while load.completed < 24 and time.monotonic() < deadline:
+            time.sleep(0.1)
         load.stop()
         elapsed = time.monotonic() - started
         print(f"\nrolling restart (--shutdown-timeout {shutdown_timeout_s}): {load.completed} streams completed in "

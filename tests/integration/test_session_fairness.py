@@ -24,6 +24,19 @@ def sim() -> Iterator[SimProcess]:
         yield sims[0]
 
 
+def _wait_until_admitted(gw_url: str, count: int, ended: list[tuple[float, str]]) -> None:
+    """Until the gateway has taken `count` requests (in flight, waiting or answered): thread start-up on a busy
+    machine must not let a light session overtake a heavy request that had not yet reached the gateway."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        classes = httpx.get(gw_url + "/admin/traffic", timeout=5).json()["pools"]["interactive"]["classes"]
+        seen = classes.get("interactive", {})
+        if seen.get("in_flight", 0) + seen.get("queued", 0) + len(ended) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the gateway did not take {count} requests within 10 s")
+
+
 def _served_order(sim: SimProcess, fairness: str) -> tuple[list[str], int]:
     """Which session each answer went to, in the order the answers were admitted (one slot: the order they end),
     and how many heavy requests had gone upstream by the time the light sessions had all arrived."""
@@ -49,7 +62,7 @@ def _served_order(sim: SimProcess, fairness: str) -> tuple[list[str], int]:
         threads = [threading.Thread(target=ask, args=("heavy", i)) for i in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.15)  # the heavy burst is in: one upstream, seven waiting
+        _wait_until_admitted(gw.url, 8, ended)  # the heavy burst is in: one upstream, seven waiting
         lights = [threading.Thread(target=ask, args=(f"light-{i}", 0)) for i in range(4)]
         for t in lights:
             t.start()
