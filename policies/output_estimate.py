@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Bucket = Literal["short", "medium", "long"]
 BUCKETS: tuple[Bucket, ...] = ("short", "medium", "long")
@@ -35,9 +35,9 @@ BUCKETS: tuple[Bucket, ...] = ("short", "medium", "long")
 _FORCED_TYPES = frozenset({"any", "tool", "function"})
 
 
-@dataclass(frozen=True, slots=True)
-class OutputHints:
-    """What a request says about its output's length."""
+class OutputHints(NamedTuple):
+    """What a request says about its output's length (a NamedTuple: built once per request, ~4× cheaper than a
+    frozen dataclass)."""
 
     thinking_mode: str  # enabled | adaptive | disabled
     budget: int  # the most tokens it may generate (max_tokens, else the mode's default reserve)
@@ -59,11 +59,14 @@ class OutputHints:
 
 def output_hints(body: dict[str, Any], thinking_mode: str, budget: int) -> OutputHints:
     """The hints of a parsed, already validated request body (any API). Never raises: an odd field is no hint."""
-    choice = body.get("tool_choice")
-    tools = bool(body.get("tools")) and choice != "none" and not (isinstance(choice, dict) and choice.get("type")
-                                                                  == "none")
-    forced = tools and (choice == "required" or (isinstance(choice, dict) and choice.get("type") in _FORCED_TYPES))
-    return OutputHints(thinking_mode, budget, _thinking_budget(body), tools, forced)
+    tools = forced = False
+    if body.get("tools"):
+        choice = body.get("tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else choice
+        tools = kind != "none"
+        forced = kind == "required" or (kind in _FORCED_TYPES and isinstance(choice, dict))
+    thinking = None if thinking_mode != "enabled" else _thinking_budget(body)
+    return OutputHints(thinking_mode, budget, thinking, tools, forced)
 
 
 def _thinking_budget(body: dict[str, Any]) -> int | None:
@@ -75,8 +78,7 @@ def _thinking_budget(body: dict[str, Any]) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class OutputEstimate:
+class OutputEstimate(NamedTuple):
     """A request's predicted output: its tokens, their bucket, and what the figure rests on."""
 
     tokens: int
@@ -134,7 +136,7 @@ class OutputEstimator:
     `bucket_tokens`: each bucket's representative count (the prior), ascending; a count is in the bucket whose
     representative is nearest in log scale (boundaries at the geometric midpoints)."""
 
-    def __init__(self, bucket_tokens: tuple[int, int, int] = (128, 512, 2048), *, session_alpha: float = 0.5,
+    def __init__(self, bucket_tokens: tuple[int, int, int] = (128, 512, 2048), *, session_alpha: float = 0.3,
                  alpha: float = 0.1, min_samples: int = 3, ttl_s: float = 1800.0, max_sessions: int = 10_000,
                  max_keys: int = 1_000) -> None:
         self.bucket_tokens = bucket_tokens
@@ -161,15 +163,17 @@ class OutputEstimator:
         class's recent outputs of the same prior bucket; at least 1, at most the budget."""
         prior = hints.prior
         logged, source = None, "prior"
-        for scope, name, label in ((self.sessions, session, "session"), (self.keys, key, "key"),
-                                   (self.classes, cls, "class")):
-            if name:
-                logged = scope.get((name, prior), now)
-                if logged is not None:
-                    source = label
-                    break
-        tokens = self.prior_tokens(hints) if logged is None else math.exp(logged)
-        tokens = max(1, min(hints.budget, round(tokens)))
+        if session:
+            logged, source = self.sessions.get((session, prior), now), "session"
+        if logged is None and key:
+            logged, source = self.keys.get((key, prior), now), "key"
+        if logged is None and cls:
+            logged, source = self.classes.get((cls, prior), now), "class"
+        if logged is None:
+            tokens, source = self.prior_tokens(hints), "prior"
+        else:
+            tokens = round(math.exp(logged))
+        tokens = max(1, min(hints.budget, tokens))
         return OutputEstimate(tokens, self.bucket(tokens), source)
 
     def observe(self, hints: OutputHints, completion_tokens: int, now: float, session: str = "", key: str = "",
