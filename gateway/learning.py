@@ -14,7 +14,6 @@ Four feeds, each at the moment it has something to learn from:
 from __future__ import annotations
 
 import logging
-
 from typing import Any, NamedTuple
 
 from gateway.record import RequestRecord

@@ -41,7 +41,7 @@ class OutputHints(NamedTuple):
 
     thinking_mode: str  # enabled | adaptive | disabled
     budget: int  # the most tokens it may generate (max_tokens, else the mode's default reserve)
-    thinking_budget: int | None = None  # thinking.budget_tokens / chat_template_kwargs.thinking_budget, if given
+    thinking_budget: int | None = None  # thinking.budget_tokens / chat_template_kwargs.thinking_budget (enabled)
     tools: bool = False  # it offers tools the model may call (tool_choice other than "none")
     forced_tool: bool = False  # tool_choice makes the model call one
 
@@ -187,5 +187,5 @@ class OutputEstimator:
                 scope.learn((name, prior), sample, now)
 
     def view(self) -> dict[str, int]:
-        """How many groups each scope holds (the admin API; bounded by construction)."""
+        """How many groups each scope holds (each bounded by construction)."""
         return {"sessions": len(self.sessions), "keys": len(self.keys), "classes": len(self.classes)}
