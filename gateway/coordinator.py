@@ -21,7 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admission import Admitted, raw_header
+from gateway.admission import Admitted, fairness_session, raw_header
 from gateway.bodies import check_model, parse_json_object, receive_body
 from gateway.disagg import Disaggregation
 from gateway.errors import UpstreamFailure, rejected_response
@@ -133,15 +133,14 @@ class Coordinator:
         record.first_pool, record.pool_reason = choice.pool.name, choice.reason
         record.max_tokens = profile.output_budget if profile.budget_explicit else None
         record.t_classified = gw.clock()
-        routing = RoutingRequest(
-            prompt_tokens=profile.prompt_tokens,
-            output_budget=profile.output_budget,
-            block_hashes=self.prefix_blocks(body, api),
-            session_key=session,
-        )
+        blocks = self.prefix_blocks(body, api)
         record.t_routed = gw.clock()
         admitted: Admitted = await gw.traffic.admit(request, record, client, profile, choice, session)  # may wait
-        routing = self.with_slos(request, record, routing)
+        # the output estimate reads the class admission resolved; the pool's fit kept the whole budget
+        output = self.learning.expected_output(record, body, profile, client.key_id,
+                                               fairness_session(record, client.key_id, session))
+        routing = self.with_slos(request, record, RoutingRequest(profile.prompt_tokens, profile.output_budget, blocks,
+                                                                 session, output_estimate=output))
         resume = resumable and profile.stream and gw.config.routing.migration.enabled
         refused = refusal(body, api) if resume else None  # "api": Responses and Messages streams carry no ids
         payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream and usage,

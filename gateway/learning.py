@@ -7,19 +7,31 @@ Four feeds, each at the moment it has something to learn from:
 - a replica refusing a prompt as longer than its context: the count it reports teaches the pool's token-estimate
   ratio (policies/estimates.py);
 - a request's end: the replica's prefill rate and time per output token (`Replica.observe_latency`), then the
-  estimate ratio from the answer's usage, the pool's TTFT calibration and the class's output length.
+  estimate ratio from the answer's usage, the pool's TTFT calibration and the output-length estimates (its session's,
+  key's and class's; policies/output_estimate.py), which `expected_output` reads when a request is admitted.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
 from gateway.record import RequestRecord
 from gateway.runtime import Gateway
+from policies.classify import RequestProfile
+from policies.output_estimate import OutputHints, output_hints
 from policies.replica_choice import RoutingDecision
 from pools.replicas import Replica
 
 log = logging.getLogger("m3gate")
+
+
+class OutputBasis(NamedTuple):
+    """What a request's output estimate rested on: its hints and the scopes it learns into."""
+
+    hints: OutputHints
+    session: str  # "" when it has none
+    key: str
 
 
 class Learning:
@@ -77,5 +89,24 @@ class Learning:
             calibrator = gw.latency.get(record.pool)
             if calibrator is not None:
                 calibrator.learn(decision.features, record.t_first_byte - record.t_sent)
-        if completion and record.error is None:
-            gw.output_lengths.observe(record.traffic_class, record.thinking_mode, completion)
+        if completion and record.error is None and not record.client_disconnected:
+            self.output_length(record, completion)
+
+    def expected_output(self, record: RequestRecord, body: dict[str, Any], profile: RequestProfile, key: str,
+                        session: str) -> int:
+        """The request's output estimate (0 with estimates off), kept on the record with what it rested on;
+        `session`: its session as admission scopes it ("" for none), `key`: its API key's id."""
+        estimator = self.gw.output_estimates
+        if estimator is None:
+            return 0
+        hints = output_hints(body, profile.thinking_mode, profile.output_budget)
+        estimate = estimator.estimate(hints, self.gw.clock(), session, key, record.traffic_class)
+        record.output_predicted, record.output_basis = estimate.tokens, OutputBasis(hints, session, key)
+        return estimate.tokens
+
+    def output_length(self, record: RequestRecord, completion: int) -> None:
+        """A whole answer's output tokens, for the estimates of its session, key and class."""
+        basis, estimator = record.output_basis, self.gw.output_estimates
+        if isinstance(basis, OutputBasis) and estimator is not None:
+            estimator.observe(basis.hints, completion, self.gw.clock(), basis.session, basis.key,
+                              record.traffic_class)

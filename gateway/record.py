@@ -62,6 +62,8 @@ class RequestRecord:
     first_pool: str = ""  # the pool pool choice picked; `pool` differs when the request spilled at forward time
     pool_reason: str = ""  # pool choice's reason: fits, forced, spill:<pool>, clamped, near_limit, all_saturated
     max_tokens: int | None = None  # the caller's explicit output cap, if any
+    output_predicted: int = 0  # the output tokens it was expected to generate (policies/output_estimate.py); 0: none
+    output_basis: Any = None  # what that estimate rested on (gateway/learning.py's), to learn from the answer
     t_classified: float = 0.0
     t_routed: float = 0.0  # pool and replica chosen
     t_admitted: float = 0.0  # left the gateway's admission queue (== t_routed when nothing waited)

@@ -23,7 +23,8 @@ from gateway.observability.telemetry import Telemetry
 from policies.admission import pool_saturated
 from policies.config import GatewayConfig
 from policies.estimates import TokenEstimateRatios
-from policies.latency_model import OutputLengths, TtftCalibrator
+from policies.latency_model import TtftCalibrator
+from policies.output_estimate import OutputEstimator
 from policies.replica_choice import ReplicaPolicy, RoutingRequest, build_policy
 from policies.tokens import TokenCounter
 from pools.monitor import ReplicaMonitor
@@ -42,7 +43,7 @@ class Gateway:
         self.counter = TokenCounter(config.classification)
         self.estimates = TokenEstimateRatios()  # what the replicas count ÷ the gateway's estimate, per pool
         self.latency: dict[str, TtftCalibrator] = {}  # per pool: the TTFT model calibrated on its answers
-        self.output_lengths = OutputLengths()  # completion tokens per class and thinking mode
+        self.output_estimates: OutputEstimator | None = None  # output lengths per session, key, class (_apply_config)
         self.pools: dict[str, PoolRuntime] = {}
         self.policies: dict[str, ReplicaPolicy] = {}
         self.prefix_index = PrefixIndex()
@@ -81,7 +82,21 @@ class Gateway:
             del self.latency[name]
         self.served_models = frozenset(config.served_model_ids())
         self.estimates.keep_only(set(self.pools))
+        self._apply_output_estimate(config)
         self.sync_prefix_index()
+
+    def _apply_output_estimate(self, config: GatewayConfig) -> None:
+        """Estimates output lengths while `routing.output_estimate` is on; what was learnt survives a reload that
+        keeps its buckets and bounds."""
+        cfg = config.routing.output_estimate
+        if not cfg.enabled:
+            self.output_estimates = None
+            return
+        buckets = (cfg.short_tokens, cfg.medium_tokens, cfg.long_tokens)
+        kept = self.output_estimates
+        if kept is None or kept.bucket_tokens != buckets or kept.sessions.max_entries != cfg.max_sessions \
+                or kept.sessions.ttl_s != cfg.ttl_s:
+            self.output_estimates = OutputEstimator(buckets, ttl_s=cfg.ttl_s, max_sessions=cfg.max_sessions)
 
     def sync_prefix_index(self) -> None:
         """Bound each replica's prefix index by its KV capacity; forget replicas that left the config."""

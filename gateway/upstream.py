@@ -240,7 +240,7 @@ class Upstream:
             headers["authorization"] = f"Bearer {key}"
         gw.telemetry.inject(record, headers)
         uncached = profile.prompt_tokens - target.matched_blocks * pool.config.block_size
-        guard = replica.guard(profile.prompt_tokens + profile.output_budget, max(0, uncached))
+        guard = replica.guard(profile.prompt_tokens + routing.expected_output, max(0, uncached))
         record.t_sent = gw.clock()
         decision, url = target.decision, replica.url
         if decision is not None and decision.prefill_plan is not None and decision.replica == url:

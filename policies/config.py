@@ -344,6 +344,26 @@ class PlacementConfig(_Strict):
     )
 
 
+class OutputEstimateConfig(_Strict):
+    """Output-length estimates (policies/output_estimate.py) in place of the output budget where the length matters
+    before the answer exists: the tokens in flight that load scoring reads, a decode replica's KV headroom. Pool
+    choice always uses the full budget."""
+
+    enabled: bool = Field(default=True, description="false: the budget stands for the output length, as before.")
+    short_tokens: int = Field(default=128, gt=0, description="A short answer (a tool call, a one-liner).")
+    medium_tokens: int = Field(default=512, gt=0, description="A medium answer (adaptive thinking, a chat reply).")
+    long_tokens: int = Field(default=2048, gt=0, description="A long answer (thinking enabled without a budget).")
+    ttl_s: float = Field(default=1800.0, gt=0, description="A session's, key's or class's outputs unseen this long "
+                         "are forgotten.")
+    max_sessions: int = Field(default=10_000, gt=0, description="Sessions whose recent outputs are kept (LRU).")
+
+    @model_validator(mode="after")
+    def _ascending(self) -> OutputEstimateConfig:
+        if not self.short_tokens < self.medium_tokens < self.long_tokens:
+            raise ValueError("short_tokens < medium_tokens < long_tokens")
+        return self
+
+
 class RoutingConfig(_Strict):
     policy: RoutingPolicyName = Field(
         default="prefix_affinity", description="round_robin | least_loaded | prefix_affinity (KV-cache aware)."
@@ -363,6 +383,7 @@ class RoutingConfig(_Strict):
     )
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    output_estimate: OutputEstimateConfig = Field(default_factory=OutputEstimateConfig)
 
 
 class ServerConfig(_Strict):

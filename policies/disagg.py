@@ -100,14 +100,14 @@ def rank_decode(
     request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], params: DecodeParams | None = None,
 ) -> RoutingDecision:
     """The decode replica for a disaggregated request, and the rest in order (retries). Score = load_weight ·
-    (least load + 1) / (load + 1) + kv_weight · headroom after the prompt and output budget land; replicas the
+    (least load + 1) / (load + 1) + kv_weight · headroom after the prompt and expected output land; replicas the
     blocks would not fit, or whose KV is saturated, come last. Equal scores: fewest tokens in flight, then rendezvous
     hashing on the prompt's first block."""
     params = params or DecodeParams()
     usable = [r for r in replicas if r.healthy and not r.draining]
     if not usable:
         raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas), "no decode replica")
-    tokens = request.prompt_tokens + request.output_budget
+    tokens = request.prompt_tokens + request.expected_output
     key: int | str = request.block_hashes[0] if request.block_hashes else (request.session_key or "")
     loads = {r.url: decode_load(r, params) for r in usable}
     least = min(loads.values())

@@ -20,8 +20,7 @@ running 0.9-quantile of the median's log residuals. A fresh model's P90 is 1.5 �
 than a library model: a handful of coefficients, a step costs a few µs, a prediction is a dot product (the routing
 decision must stay within 1.5× of its cost before predictions), and there is nothing to pickle or retrain in a thread.
 
-`OutputLengths` predicts how many tokens a request will generate, per traffic class and thinking mode (thinking
-multiplies it), for end-to-end and decode-load predictions instead of assuming the whole budget.
+How many tokens a request will generate is policies/output_estimate.py's.
 
 Pure: no I/O, no clock; the gateway feeds samples and reads predictions.
 """
@@ -251,24 +250,3 @@ class TtftCalibrator:
         return {"cost": self.cost.view(), "p90": [round(c, 4) for c in self.p90.coef],
                 "spread": round(self.spread, 4)}
 
-
-class OutputLengths:
-    """Completion tokens per (class, thinking mode): an EWMA per key, the request's budget until one is known."""
-
-    def __init__(self, alpha: float = 0.1) -> None:
-        self.alpha = alpha
-        self._mean: dict[tuple[str, str], float] = {}
-
-    def predict(self, cls: str, thinking_mode: str, budget: int) -> int:
-        mean = self._mean.get((cls, thinking_mode))
-        return budget if mean is None else min(budget, max(1, round(mean)))
-
-    def observe(self, cls: str, thinking_mode: str, completion_tokens: int) -> None:
-        if completion_tokens <= 0:
-            return
-        key = (cls, thinking_mode)
-        mean = self._mean.get(key)
-        self._mean[key] = float(completion_tokens) if mean is None else mean + self.alpha * (completion_tokens - mean)
-
-    def view(self) -> dict[str, float]:
-        return {f"{cls}/{mode}": round(mean, 1) for (cls, mode), mean in self._mean.items()}

@@ -52,6 +52,12 @@ class RoutingRequest:
     # the pool routes precisely and the gateway could tokenize the request exactly; () otherwise
     ttft_slo_s: float | None = None  # the request's TTFT objective (x-slo-ttft-ms, else its class's target)
     tpot_slo_s: float | None = None  # its time-per-output-token objective (x-slo-tpot-ms), if any
+    output_estimate: int = 0  # the tokens it is expected to generate (policies/output_estimate.py); 0: none made,
+    # the budget stands for them. Load and KV headroom read `expected_output`; a pool's fit always the budget
+
+    @property
+    def expected_output(self) -> int:
+        return self.output_estimate or self.output_budget
 
 
 @dataclass(frozen=True, slots=True)

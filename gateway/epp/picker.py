@@ -371,7 +371,8 @@ class Exchange:
                     self.guard.release()
                 profile = self.profile
                 assert profile is not None
-                self.guard = target.replica.guard(profile.prompt_tokens + profile.output_budget, profile.prompt_tokens)
+                output = record.output_predicted or profile.output_budget
+                self.guard = target.replica.guard(profile.prompt_tokens + output, profile.prompt_tokens)
                 record.pool, record.replica, record.reason = target.pool.name, target.replica.url, "retry"
                 record.attempts, record.retried = 2, True
                 self.picker.served_elsewhere += 1

@@ -318,6 +318,9 @@ class RequestMetrics:
         self.tpot_prediction = histogram(
             "m3gate_tpot_prediction_ratio", "Actual ÷ predicted time per output token of the chosen replica, per "
             "streamed request.", ("pool",), RATIO_BUCKETS)
+        self.output_prediction = histogram(
+            "m3gate_output_tokens_prediction_ratio", "Actual ÷ predicted output tokens (the output-length estimate "
+            "load scoring used, policies/output_estimate.py), per whole answer.", cls, RATIO_BUCKETS)
         self.ttft_p90_covered = counter(
             "m3gate_ttft_p90_covered", "Streamed requests whose TTFT (from the upstream send) was at or under the "
             "predicted P90 (covered=true) or above it (false): the calibration's coverage.", ("pool", "covered"))
@@ -424,6 +427,9 @@ class RequestMetrics:
             self.output_tokens.inc(by_class, float(completion))
             if cached:
                 self.cached_tokens.inc(by_class, float(cached))
+            if (completion and record.output_predicted and record.status == 200 and record.error is None
+                    and not record.client_disconnected):
+                self.output_prediction.observe(by_class, completion / record.output_predicted)
         turn = record.session
         if turn is not None:
             self._observe_turn(turn, by_class, record)

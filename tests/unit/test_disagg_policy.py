@@ -69,6 +69,17 @@ def test_decode_avoids_a_replica_the_blocks_would_not_fit() -> None:
     assert every.replica == "a" and every.reason == "decode_kv_full"  # the least bad is still used
 
 
+def test_decode_headroom_counts_the_expected_output_not_the_whole_budget() -> None:
+    # 64K prompt + 32K budget = 750 blocks; with the output estimated at 500 tokens, 504: "a" (idle, 45% full,
+    # 550 blocks free) takes it; counted at the budget it would not fit and busier "b" would
+    budget = RoutingRequest(prompt_tokens=64_000, output_budget=32_000)
+    estimated = RoutingRequest(prompt_tokens=64_000, output_budget=32_000, output_estimate=500)
+    assert budget.expected_output == 32_000 and estimated.expected_output == 500
+    replicas = [snap("a", kv_usage=0.45), snap("b", running=4.0, kv_usage=0.1)]
+    assert rank_decode(budget, replicas).replica == "b"
+    assert rank_decode(estimated, replicas).replica == "a"
+
+
 def test_decode_kv_headroom_breaks_load_ties() -> None:
     d = rank_decode(REQ, [snap("a", kv_usage=0.3), snap("b", kv_usage=0.05)])
     assert d.replica == "b"

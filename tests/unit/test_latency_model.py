@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from policies.latency_model import OutputLengths, PrefillCost, TtftCalibrator, prefill_plan, ttft_features
+from policies.latency_model import PrefillCost, TtftCalibrator, prefill_plan, ttft_features
 from policies.replica_choice import PrefixAffinity, ReplicaSnapshot, RoutingRequest
 from policies.traffic import request_slos
 from policies.config import TrafficConfig
@@ -128,17 +128,6 @@ def test_nonsense_samples_are_ignored() -> None:
     for bad in (float("nan"), float("inf"), -1.0):
         cal.learn(x, bad)
     assert cal.samples == 0
-
-
-def test_output_lengths_per_class_and_thinking_mode() -> None:
-    lengths = OutputLengths(alpha=0.5)
-    assert lengths.predict("interactive", "enabled", 4096) == 4096  # nothing known: the budget
-    for tokens in (1000, 1200, 1100):
-        lengths.observe("interactive", "enabled", tokens)
-    lengths.observe("interactive", "disabled", 80)
-    assert 1000 <= lengths.predict("interactive", "enabled", 4096) <= 1200
-    assert lengths.predict("interactive", "disabled", 4096) == 80
-    assert lengths.predict("interactive", "enabled", 500) == 500  # never above the budget
 
 
 def _replica(url: str, waiting: float, prefill: float = 60e-6, tpot: float = 0.02) -> ReplicaSnapshot:
