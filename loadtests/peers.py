@@ -157,8 +157,12 @@ def _command(name: str, upstreams: Sequence[str], port: int,
         python, why = sglang_python()
         if python is None:
             raise RuntimeError(f"sglang-router unavailable ({why})")
+        from gateway.cli.launcher import free_port
+
         policy, *extra = (name.partition(":")[2] or "round_robin").split(",")
+        # its metrics exporter on a port of its own: two routers on the default (29000) would collide
         return [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--policy", policy, *_sglang_policy_args(extra), "--log-level", "warn", "--log-dir", str(folder),
                 "--worker-urls", *upstreams], cwd, None
     raise ValueError(f"unknown peer {name!r}")
