@@ -3,11 +3,11 @@
 #
 # Why separate venvs: the clients (the OpenAI Agents SDK, LangChain, LiteLLM, GuideLLM, inference-perf) pin their own
 # openai, pydantic, httpx and transformers ranges and drag in dozens of packages the gateway must never depend on; the
-# tests run each client (its check script or its CLI) with that venv and only read its JSON. Why a stamp per venv: it holds the pinned requirements
-# (tests/clients/requirements-NAME.txt) it was built from, so a bumped pin reinstalls and an unchanged one costs
-# nothing. A file's "# python: X.Y" line picks the interpreter (inference-perf needs 3.12; the rest run on 3.11, the
-# only Python torch's local CPU wheel is built for). Quiet on success; on failure the tail of that client's install
-# log goes to stderr.
+# tests run each client (its check script or its CLI) with that venv and only read its JSON. Why a stamp per venv: it
+# holds the pinned requirements (tests/clients/requirements-NAME.txt) it was built from, so a bumped pin reinstalls and
+# an unchanged one costs nothing. A file's "# python: X.Y" line picks the interpreter (inference-perf needs 3.12; the
+# rest run on 3.11, the only Python torch's local CPU wheel is built for). Quiet on success; on failure the tail of
+# that client's install log goes to stderr.
 # Usage: install-clients.sh [NAME...]   (default: every tests/clients/requirements-*.txt)
 set -euo pipefail
 

@@ -22,7 +22,7 @@ import pytest
 from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import running_sims
 from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
-from tests.clients.venvs import gateway_requests, installed_versions, pinned, require_client
+from tests.clients.venvs import finish, gateway_requests, installed_versions, pinned, read_report, require_client
 
 pytestmark = pytest.mark.clients
 
@@ -30,6 +30,12 @@ MODEL = "MiniMaxAI/MiniMax-M3"
 # GuideLLM's request format → the gateway's `api` label
 FORMATS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 12, 64, 16
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    """guidellm's venv, looked up before any replica starts (missing: skipped by hand, failed under `make test`)."""
+    return require_client("guidellm")
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +70,9 @@ def scenario(gw: GatewayProcess, request_format: str, tokenizer: Path, report: P
 
 
 @pytest.fixture(scope="module")
-def runs(gateway: GatewayProcess, tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(venv: Path, gateway: GatewayProcess, tokenizer: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Each format's report (or why there is none), and the requests the gateway answered during the runs."""
-    venv = require_client("guidellm")
     tmp = tmp_path_factory.mktemp("guidellm")
     # One worker process per run (its default is up to 10, each importing torch); HF_HUB_OFFLINE: local files only.
     env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
@@ -77,21 +83,14 @@ def runs(gateway: GatewayProcess, tokenizer: Path, tmp_path_factory: pytest.Temp
         running[api] = subprocess.Popen(
             [str(venv / "bin" / "guidellm"), "run", "-c", str(tmp / f"{api}.json"), "--disable-console"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp)
-    out: dict[str, Any] = {}
-    for api, proc in running.items():
-        try:
-            log = proc.communicate(timeout=180)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[0]
-        report = tmp / f"{api}-report.json"
-        out[api] = json.loads(report.read_text()) if report.exists() else f"exit {proc.returncode}: {log[-3000:]}"
+    out: dict[str, Any] = {api: read_report(tmp / f"{api}-report.json", proc, finish(proc))
+                           for api, proc in running.items()}
     after = gateway_requests(gateway.url)
     out["served"] = {api: after.get(api, 0.0) - before.get(api, 0.0) for api in FORMATS.values()}
     return out
 
 
-def test_guidellm_venv_holds_the_pins(runs: dict[str, Any]) -> None:
+def test_guidellm_venv_holds_the_pins(venv: Path) -> None:
     assert installed_versions("guidellm") == pinned("guidellm"), "the guidellm venv is stale (make clients)"
 
 

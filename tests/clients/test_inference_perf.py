@@ -25,7 +25,7 @@ from gateway.cli.launcher import start_gateway
 from loadtests.replicas import scrape_counters
 from pools.sim.launcher import running_sims
 from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
-from tests.clients.venvs import gateway_requests, installed_versions, pinned, require_client
+from tests.clients.venvs import finish, gateway_requests, installed_versions, pinned, read_report, require_client
 
 pytestmark = pytest.mark.clients
 
@@ -35,6 +35,12 @@ ROUTINGS = {"prefix_affinity": {}, "round_robin": {"routing": {"policy": "round_
 SHARED_PREFIX = {"num_groups": 4, "num_prompts_per_group": 6, "system_prompt_len": 512, "question_len": 32,
                  "output_len": 16, "seed": 7}
 REQUESTS = SHARED_PREFIX["num_groups"] * SHARED_PREFIX["num_prompts_per_group"]
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    """inference-perf's venv, looked up before any replica starts (missing: skipped by hand, FAILED by `make test`)."""
+    return require_client("inference-perf")
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +77,10 @@ def config(gateway_url: str, tokenizer: Path, reports: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(gateways: dict[str, tuple[str, list[str]]], tokenizer: Path,
+def runs(venv: Path, gateways: dict[str, tuple[str, list[str]]], tokenizer: Path,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Per routing: the tool's summary report (or why there is none), the gateway's answered completions and the
     replicas' prefix-cache counters over the run."""
-    venv = require_client("inference-perf")
     tmp = tmp_path_factory.mktemp("inference-perf")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
     running = {}
@@ -86,22 +91,17 @@ def runs(gateways: dict[str, tuple[str, list[str]]], tokenizer: Path,
                                          cwd=tmp)
     out: dict[str, dict[str, Any]] = {}
     for name, proc in running.items():
-        try:
-            log = proc.communicate(timeout=180)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[0]
-        summary = tmp / name / "summary_lifecycle_metrics.json"
+        log = finish(proc)
         url, replicas = gateways[name]
         counters = [scrape_counters(r) for r in replicas]
         out[name] = {
-            "summary": json.loads(summary.read_text()) if summary.exists() else f"exit {proc.returncode}: {log[-3000:]}",
+            "summary": read_report(tmp / name / "summary_lifecycle_metrics.json", proc, log),
             "served": gateway_requests(url).get("completions", 0.0),
             "hits": sum(c["hits"] for c in counters), "queries": sum(c["queries"] for c in counters)}
     return out
 
 
-def test_inference_perf_venv_holds_the_pins(runs: dict[str, Any]) -> None:
+def test_inference_perf_venv_holds_the_pins(venv: Path) -> None:
     assert installed_versions("inference-perf") == pinned("inference-perf"), "stale venv (make clients)"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,6 +52,20 @@ def installed_versions(name: str) -> dict[str, str]:
     out = subprocess.run([str(client_python(name)), "-c", code, *pinned(name)], capture_output=True, text=True,
                          timeout=60, check=True)
     return json.loads(out.stdout)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 180) -> str:
+    """Wait for a client's process (killed past `timeout`); its output, for a failure's message."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0]
+
+
+def read_report(path: Path, proc: subprocess.Popen[str], log: str) -> dict[str, Any] | str:
+    """The JSON report a client wrote, or why there is none (its exit status and the tail of its output)."""
+    return json.loads(path.read_text()) if path.exists() else f"exit {proc.returncode}: {log[-3000:]}"
 
 
 def gateway_requests(url: str) -> dict[str, float]:
