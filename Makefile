@@ -38,8 +38,9 @@ test: venv docs redis vllm-env prometheus chromium haproxy clients
 test-fast: venv redis prometheus chromium haproxy clients
 	M3GATE_REQUIRE_TOOLS=1 M3GATE_SKIP_VLLM=1 $(BIN)/python -m pytest -q -ra -m "not vllm"
 
-# The client matrix (tests/clients, docs/clients.md): the OpenAI Agents SDK, LangChain and LiteLLM, each in its own
-# virtualenv under $(CACHE)/clients with the versions pinned in tests/clients/requirements-NAME.txt.
+# The client matrix (tests/clients, docs/clients.md): the OpenAI Agents SDK, LangChain, LiteLLM, GuideLLM and
+# inference-perf, each in its own virtualenv under $(CACHE)/clients with the versions pinned in
+# tests/clients/requirements-NAME.txt.
 clients:
 	@scripts/install-clients.sh
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Make sure each client of the client matrix (tests/clients) lives in its own virtualenv under the cache folder.
 #
-# Why separate venvs: the clients (the OpenAI Agents SDK, LangChain, LiteLLM) pin their own openai, pydantic and
-# httpx ranges and drag in dozens of packages the gateway must never depend on; the tests run each client's check
-# script with that venv's python and only read its JSON. Why a stamp per venv: it holds the pinned requirements
-# (tests/clients/requirements-NAME.txt) it was built from, so a bumped pin reinstalls and an unchanged one costs
-# nothing. Quiet on success; on failure the tail of that client's install log goes to stderr.
+# Why separate venvs: the clients (the OpenAI Agents SDK, LangChain, LiteLLM, GuideLLM, inference-perf) pin their own
+# openai, pydantic, httpx and transformers ranges and drag in dozens of packages the gateway must never depend on; the
+# tests run each client (its check script or its CLI) with that venv and only read its JSON. Why a stamp per venv: it
+# holds the pinned requirements (tests/clients/requirements-NAME.txt) it was built from, so a bumped pin reinstalls and
+# an unchanged one costs nothing. A file's "# python: X.Y" line picks the interpreter (inference-perf needs 3.12; the
+# rest run on 3.11, the only Python torch's local CPU wheel is built for). Quiet on success; on failure the tail of
+# that client's install log goes to stderr.
 # Usage: install-clients.sh [NAME...]   (default: every tests/clients/requirements-*.txt)
 set -euo pipefail
 
@@ -18,6 +20,19 @@ RECIPE="v1"
 if [[ $# -eq 0 ]]; then
   set -- $(cd "$ROOT/tests/clients" && ls requirements-*.txt | sed 's/^requirements-//; s/\.txt$//')
 fi
+
+# The interpreter for a requirements file: its "# python: X.Y" line (pythonX.Y on PATH, else pyenv's), else $PY.
+python_for() {
+  local want candidate; want="$(sed -n 's/^# python: *//p' "$1")"
+  if [[ -z "$want" ]]; then echo "$PY_FOR_VENV"; return 0; fi
+  for candidate in "python$want" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want".*/bin/"python$want"; do
+    # A pyenv shim is on PATH for every installed version but fails unless that version is selected: run it.
+    if "$candidate" -c "import sys; assert sys.version.startswith('$want.')" >/dev/null 2>&1; then
+      echo "$candidate"; return 0
+    fi
+  done
+  return 1
+}
 
 install_one() {
   local name="$1" req="$ROOT/tests/clients/requirements-$1.txt"
@@ -41,7 +56,8 @@ install_one() {
   : >"$log"
   # A bumped pin installs over the existing venv (pip moves the pinned packages; the rest is reused).
   if [[ ! -x "$venv/bin/python" ]]; then
-    "$PY_FOR_VENV" -m venv "$venv" >>"$log" 2>&1 || fail "could not create the virtualenv"
+    local python; python="$(python_for "$req")" || fail "no Python $(sed -n 's/^# python: *//p' "$req") found"
+    "$python" -m venv "$venv" >>"$log" 2>&1 || fail "could not create the virtualenv"
   fi
   "$venv/bin/python" -m pip install -q --upgrade pip >>"$log" 2>&1 || fail "could not upgrade pip"
   "$venv/bin/python" -m pip install -q -r "$req" >>"$log" 2>&1 || fail "pip install -r $req failed"

@@ -12,36 +12,22 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
 from pools.sim.launcher import running_sims
-from pools.vllm_local.paths import cache_dir
-from tests.support.tools import REQUIRE_ENV, tools_required
+from tests.clients.venvs import HERE, client_python, pinned, require_client
 
 pytestmark = pytest.mark.clients
 
-HERE = Path(__file__).resolve().parent
 MODEL = "MiniMaxAI/MiniMax-M3"
 CLIENTS = {"openai-agents": "openai_agents_check.py", "langchain": "langchain_check.py",
            "litellm": "litellm_check.py"}
 # --tool-call-probability 0: a tool is called only when tool_choice forces it, so an agent loop ends after the
 # tool's result (a real model decides; the simulator's choice would be a coin toss per prompt).
 SIM_ARGS = ["--instant", "--tool-call-probability", "0", "--mean-output-tokens", "40"]
-
-
-def client_python(name: str) -> Path:
-    return cache_dir() / "clients" / name / "bin" / "python"
-
-
-def pinned(name: str) -> dict[str, str]:
-    """The `pkg==version` pins of a client's requirements file (what the venv was built from)."""
-    lines = (HERE / f"requirements-{name}.txt").read_text().splitlines()
-    pins = [line.split("#")[0].strip() for line in lines]
-    return dict(pin.split("==", 1) for pin in pins if pin)
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +67,7 @@ def reports(gateway: GatewayProcess) -> dict[str, dict[str, Any] | str]:
 def report(reports: dict[str, dict[str, Any] | str], name: str) -> dict[str, Any]:
     """The scenarios of a client's report; skipped (by hand) or failed (under `make test`) where it isn't installed."""
     if name not in reports:
-        message = f"client {name} not installed in {client_python(name).parent.parent} (make clients)"
-        if tools_required():
-            pytest.fail(f"{message}; {REQUIRE_ENV}=1 or CI is set, so a missing client fails instead of skipping",
-                        pytrace=False)
-        pytest.skip(message)
+        require_client(name)
     got = reports[name]
     assert isinstance(got, dict), f"{name} check script failed: {got}"
     versions = {k: v for k, v in got["versions"].items() if k in pinned(name)}
