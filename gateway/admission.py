@@ -30,6 +30,7 @@ from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline
 from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
+from policies.background import has_headroom, lane_limits
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
@@ -77,9 +78,11 @@ class Ticket:
 class AdmissionControl:
     """Per-pool slots, queues and spill for this gateway process."""
 
-    def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+    def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
+                 pressure: Callable[[str], bool] | None = None) -> None:
         self.clock = clock
         self.saturated = saturated
+        self.pressure = pressure or saturated  # some replica of the pool is saturated: the background lane's signal
         self.gates: dict[str, PoolGate] = {}
         self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
@@ -91,6 +94,13 @@ class AdmissionControl:
         """New limits apply at once: a raised limit lets waiters in at the next pump."""
         self.traffic = traffic
         self._limits = {name: c.max_concurrency for name, c in traffic.classes.items()}
+        self.background = traffic.background_classes()
+        for gate in self.gates.values():
+            for cls in list(gate.windows):
+                if cls in self.background:
+                    gate.windows[cls].resize(self._limits[cls])
+                else:
+                    del gate.windows[cls]
         self._wake.set()
 
     def start(self) -> None:
@@ -124,12 +134,12 @@ class AdmissionControl:
         gate = self._gate(home)
         if len(gate.queue):
             self._pump(home)  # whoever is already waiting goes first
-        if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
+        if gate.has_room(cls, self._limit(gate, home, cls), self.saturated(home)):
             return home, self._grant(gate, home, cls, session, charge)
         if cfg.spill_upward:
             for name in pools[1:]:
                 other = self._gate(name)
-                if not len(other.queue) and other.has_room(cls, cfg.max_concurrency, self.saturated(name)):
+                if not len(other.queue) and other.has_room(cls, self._limit(other, name, cls), self.saturated(name)):
                     self.counters["spilled"] += 1
                     return name, self._grant(other, name, cls, session, charge)
         if gate.queue.queued(cls) >= cfg.queue_length:
@@ -157,6 +167,64 @@ class AdmissionControl:
         if len(gate.queue):
             self._pump(pool)
 
+    # the background lane (policies/background.py) ------------------------------------------------------------
+    def headroom(self, pool: str, gate: PoolGate) -> bool:
+        """Background work may go to `pool` now: no foreground class waits there, no replica is saturated, the
+        foreground's recent TTFT there is within target."""
+        return has_headroom(gate.queue.classes(), self.background, self.pressure(pool),
+                            gate.latency.within_target(self.clock()))
+
+    def _limit(self, gate: PoolGate, pool: str, cls: str) -> int:
+        limit = self._limits[cls]
+        if cls not in self.background:
+            return limit
+        return gate.window(cls, limit).limit() if self.headroom(pool, gate) else 0
+
+    def _pool_limits(self, pool: str, gate: PoolGate) -> dict[str, int]:
+        if not self.background:
+            return self._limits
+        for cls in self.background:
+            gate.window(cls, self._limits[cls])
+        return lane_limits(self._limits, gate.windows, self.background, self.headroom(pool, gate))
+
+    def lane_ended(self, pool: str, cls: str, ok: bool, refused: bool) -> None:
+        """A background request ended (before its slot is freed): a success grows its window, a refusal cuts it."""
+        gate = self.gates.get(pool)
+        if gate is None or cls not in self.background:
+            return
+        window = gate.window(cls, self._limits[cls])
+        if refused:
+            window.congested(self.clock())
+        elif ok:
+            window.succeeded(gate.in_flight.get(cls, 0))
+
+    def foreground_ttft(self, pool: str, ttft_s: float, target_s: float) -> None:
+        """A foreground stream's first token: one that missed its target cuts the pool's background windows."""
+        gate = self.gates.get(pool)
+        if gate is None or not self.background:
+            return
+        now = self.clock()
+        if gate.latency.observe(now, ttft_s, target_s):
+            for window in gate.windows.values():
+                window.congested(now)
+
+    def _watch_lane(self, pool: str, gate: PoolGate) -> None:
+        """A saturated replica while background work runs in the pool cuts its windows (once per hold)."""
+        running = [cls for cls in self.background if gate.in_flight.get(cls, 0)]
+        if running and self.pressure(pool):
+            now = self.clock()
+            for cls in running:
+                gate.window(cls, self._limits[cls]).congested(now)
+
+    def _lane_busy(self) -> bool:
+        return bool(self.background) and any(gate.in_flight.get(cls, 0) for gate in self.gates.values()
+                                              for cls in self.background)
+
+    def lane_view(self) -> list[tuple[str, str, int]]:
+        """(pool, background class, window) for every pool a background class has been admitted to or waited on."""
+        return [(pool, cls, window.limit()) for pool, gate in self.gates.items()
+                for cls, window in gate.windows.items() if cls in self.background]
+
     # internals -----------------------------------------------------------------------------------------------
     def _gate(self, pool: str) -> PoolGate:
         gate = self.gates.get(pool)
@@ -167,6 +235,8 @@ class AdmissionControl:
     def _grant(self, gate: PoolGate, pool: str, cls: str, session: str, charge: float) -> Ticket:
         gate.take_slot(cls)
         self.counters["admitted"] += 1
+        if cls in self.background:
+            self._wake.set()  # the ticker watches the pool's replicas while background work runs
         if session:
             self.ledger.admitted(session, charge, self.clock())
         return Ticket(self, pool, cls, session, charge)
@@ -177,7 +247,14 @@ class AdmissionControl:
         if gate is None or not len(gate.queue):
             return
         now = self.clock()
-        for waiter in gate.admit_waiting(self._limits, self.saturated(pool), now):
+        for _ in range(2 if self.background else 1):  # again once: serving the foreground may open the lane
+            admitted = gate.admit_waiting(self._pool_limits(pool, gate), self.saturated(pool), now)
+            if not admitted:
+                return
+            self._hand_out(pool, admitted, now)
+
+    def _hand_out(self, pool: str, admitted: list[Waiter], now: float) -> None:
+        for waiter in admitted:
             if waiter.session:
                 self.ledger.admitted(waiter.session, waiter.charge, now)
             ticket = Ticket(self, pool, waiter.cls, waiter.session, waiter.charge)
@@ -222,14 +299,16 @@ class AdmissionControl:
             future.cancel()
 
     async def _tick(self) -> None:
-        """While anything waits, re-check every TICK_S: replica saturation and reloaded limits change without a
-        slot being freed."""
+        """While anything waits or background work runs, re-check every TICK_S: replica saturation and reloaded
+        limits change without a slot being freed."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(TICK_S)
-            for pool in list(self.gates):
+            for pool, gate in list(self.gates.items()):
+                if self.background:
+                    self._watch_lane(pool, gate)
                 self._pump(pool)
-            if not any(len(g.queue) for g in self.gates.values()):
+            if not any(len(g.queue) for g in self.gates.values()) and not self._lane_busy():
                 self._wake.clear()
 
     def _refusal(self, pool: str, gate: PoolGate, cfg: TrafficClassConfig, cls: str, priority: int, why: str
@@ -268,14 +347,15 @@ class Admitted:
 class TrafficControl:
     """Keys, input limits, classes, rate limits and admission for one gateway process."""
 
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
+                 pressure: Callable[[str], bool] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.keys = KeyStore(config.access.all_keys())
         access = config.access
         self.rate = RateLimiter(access.rate_limit_redis or config.state, prefix=access.rate_limit_prefix,
                                 timeout_s=access.redis_timeout_s, retry_s=access.redis_retry_s)
-        self.admission = AdmissionControl(config.traffic, clock, saturated)
+        self.admission = AdmissionControl(config.traffic, clock, saturated, pressure)
         self._ttft: dict[str, deque[float]] = {}
         self._by_size = config.pools_by_size()  # sorted once per config, not per request
 
@@ -394,11 +474,26 @@ class TrafficControl:
         """The upstream request has ended (or never started): free its slot, note its first-token latency."""
         ticket, record.admission_ticket = record.admission_ticket, None
         if ticket is not None:
+            self._lane_outcome(ticket, record)
             prompt, completion, cached = record.tokens()
             ticket.release(max(0, prompt - cached) + completion, completion)
             if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:
                 samples = self._ttft.setdefault(record.traffic_class, deque(maxlen=_TTFT_SAMPLES))
                 samples.append(record.t_first_byte - record.t_arrival)
+
+    def _lane_outcome(self, ticket: Ticket, record: RequestRecord) -> None:
+        """What the background lane learns from a request that ended: a background one's success or refusal, a
+        foreground stream's time to first token against its class's target."""
+        admission = self.admission
+        if not admission.background:
+            return
+        if ticket.cls in admission.background:
+            ok = record.status == 200 and record.error is None and not record.client_disconnected
+            admission.lane_ended(ticket.pool, ticket.cls, ok, record.status == 429 or record.status >= 500)
+            return
+        cfg = self.config.traffic.classes.get(ticket.cls)
+        if cfg is not None and record.stream and record.status == 200 and record.t_first_byte:
+            admission.foreground_ttft(ticket.pool, record.t_first_byte - record.t_arrival, cfg.ttft_target_s)
 
     # operators -----------------------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
@@ -408,18 +503,27 @@ class TrafficControl:
         now = self.clock()
         classes = self.config.traffic.classes
         pools = {}
-        for name, gate in self.admission.gates.items():
+        admission = self.admission
+        for name, gate in admission.gates.items():
             pools[name] = {
                 "drain_per_s": round(gate.drain.per_second(now) or 0.0, 3),
-                "saturated": self.admission.saturated(name),
+                "saturated": admission.saturated(name),
                 "classes": {c: {"in_flight": gate.in_flight.get(c, 0), "queued": gate.queue.queued(c)}
                             for c in sorted({*gate.in_flight, *(w.cls for w in gate.queue)})},
             }
+            lanes = {c: w for c, w in gate.windows.items() if c in admission.background}
+            if lanes:
+                headroom = admission.headroom(name, gate)
+                pools[name]["background"] = {
+                    c: {"window": w.limit(), "size": round(w.size, 2), "in_flight": gate.in_flight.get(c, 0),
+                        "headroom": headroom, "increases": w.increases, "decreases": w.decreases}
+                    for c, w in sorted(lanes.items())}
         ttft = {}
         for cls, cfg in classes.items():
             samples = sorted(self._ttft.get(cls, ()))
             p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)] if samples else None
             ttft[cls] = {"priority": cfg.priority, "fairness": cfg.fairness, "max_concurrency": cfg.max_concurrency,
+                         "background": cfg.background,
                          "queue_length": cfg.queue_length, "max_queue_wait_s": cfg.max_queue_wait_s,
                          "ttft_target_s": cfg.ttft_target_s, "ttft_p95_s": None if p95 is None else round(p95, 4),
                          "ttft_samples": len(samples),
