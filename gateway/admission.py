@@ -21,7 +21,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.types import Receive
@@ -49,11 +49,21 @@ class ClientGone(Exception):
     """The client disconnected while its request waited for a slot."""
 
 
+class Pausable(Protocol):
+    """A background stream the lane may pause (gateway/migration/'s Resumer): `pause` ends its upstream request and
+    holds its client until `AdmissionControl.paused` lets it go on."""
+
+    pauses: int
+
+    def pause(self) -> bool: ...
+
+
 class Ticket:
     """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
-    replica's LoadGuard; `__del__` is only the last line of defence)."""
+    replica's LoadGuard; `__del__` is only the last line of defence). A paused background stream's ticket holds no
+    slot (`holds_slot`) until the lane lets it go on."""
 
-    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge")
+    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge", "holds_slot", "stream")
 
     def __init__(self, owner: AdmissionControl, pool: str, cls: str, session: str = "", charge: float = 0.0) -> None:
         self._owner: AdmissionControl | None = owner
@@ -62,12 +72,17 @@ class Ticket:
         self.queued_s = 0.0  # how long its request waited in the queue for it (x-m3gate-queue-ms)
         self.session = session  # whose attained service its request counts in ("": none tracked)
         self.charge = charge
+        self.holds_slot = True
+        self.stream: Pausable | None = None  # a background stream the lane may pause
 
     def release(self, served: float = 0.0, output: float = 0.0) -> None:
         """`served`: tokens its request had prefilled (uncached) and decoded, `output` of them decoded."""
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner.release(self.pool, self.cls)
+            if self.stream is not None:
+                owner.forget(self)
+            if self.holds_slot:
+                owner.release(self.pool, self.cls)
             if self.session:
                 owner.ledger.ended(self.session, self.charge, served, output, owner.clock())
 
@@ -84,6 +99,8 @@ class AdmissionControl:
         self.saturated = saturated
         self.pressure = pressure or saturated  # some replica of the pool is saturated: the background lane's signal
         self.gates: dict[str, PoolGate] = {}
+        self._streams: dict[str, set[Ticket]] = {}  # per pool: its background streams that can be paused
+        self._paused: dict[str, deque[tuple[Ticket, asyncio.Future[None]]]] = {}  # per pool: paused, oldest first
         self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
         self._wake = asyncio.Event()
@@ -164,7 +181,7 @@ class AdmissionControl:
         if gate is None:
             return
         gate.free_slot(cls, self.clock())
-        if len(gate.queue):
+        if len(gate.queue) or self._paused.get(pool):
             self._pump(pool)
 
     # the background lane (policies/background.py) ------------------------------------------------------------
@@ -209,12 +226,78 @@ class AdmissionControl:
                 window.congested(now)
 
     def _watch_lane(self, pool: str, gate: PoolGate) -> None:
-        """A saturated replica while background work runs in the pool cuts its windows (once per hold)."""
+        """A saturated replica while background work runs in the pool cuts its windows (once per hold); a
+        foreground request waiting on the saturated pool pauses its background streams."""
         running = [cls for cls in self.background if gate.in_flight.get(cls, 0)]
         if running and self.pressure(pool):
             now = self.clock()
             for cls in running:
                 gate.window(cls, self._limits[cls]).congested(now)
+            if self._streams.get(pool) and self.saturated(pool) \
+                    and not all(cls in self.background for cls in gate.queue.classes()):
+                self._pause_streams(pool)
+
+    def _pause_streams(self, pool: str) -> None:
+        """Pause the pool's running background streams that have pauses left (`max_pauses` of their class)."""
+        for ticket in list(self._streams.get(pool, ())):
+            cfg = self.traffic.classes.get(ticket.cls)
+            stream = ticket.stream
+            if ticket.holds_slot and cfg is not None and stream is not None and stream.pauses < cfg.max_pauses:
+                stream.pause()
+
+    def pausable(self, ticket: Ticket, stream: Pausable) -> None:
+        """`stream` (its request holds `ticket`) may be paused if its class is background."""
+        if ticket.cls in self.background:
+            ticket.stream = stream
+            self._streams.setdefault(ticket.pool, set()).add(ticket)
+
+    def forget(self, ticket: Ticket) -> None:
+        streams = self._streams.get(ticket.pool)
+        if streams is not None:
+            streams.discard(ticket)
+
+    async def paused(self, ticket: Ticket) -> None:
+        """`ticket`'s stream was paused: its slot goes back now; returns when the lane has room for it again
+        (paused streams go on before new background requests, oldest first), or after its class's
+        max_queue_wait_s whatever the lane says. Cancelled (its client left): it holds no slot and no place."""
+        self.counters["paused"] += 1
+        if ticket.holds_slot:
+            ticket.holds_slot = False
+            self.release(ticket.pool, ticket.cls)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._paused.setdefault(ticket.pool, deque())
+        waiting.append((ticket, future))
+        self._wake.set()
+        cfg = self.traffic.classes.get(ticket.cls)
+        try:
+            await asyncio.wait((future,), timeout=cfg.max_queue_wait_s if cfg is not None else None)
+        finally:
+            if not future.done():
+                future.cancel()
+                waiting.remove((ticket, future))
+        if not ticket.holds_slot:  # waited its longest: it goes on all the same
+            self._gate(ticket.pool).take_slot(ticket.cls)
+            ticket.holds_slot = True
+
+    def paused_streams(self, pool: str, cls: str) -> int:
+        """Streams of `cls` paused in `pool` now, waiting for the lane."""
+        return sum(1 for ticket, _ in self._paused.get(pool, ()) if ticket.cls == cls)
+
+    def _go_on(self, pool: str, gate: PoolGate) -> None:
+        """Paused streams take the lane's room first, while there is headroom."""
+        waiting = self._paused[pool]
+        if self.saturated(pool) or not self.headroom(pool, gate):
+            return
+        while waiting:
+            ticket, future = waiting[0]
+            limit = self._limits.get(ticket.cls)
+            if limit is not None and gate.in_flight.get(ticket.cls, 0) >= gate.window(ticket.cls, limit).limit():
+                return
+            waiting.popleft()
+            if not future.done():
+                gate.take_slot(ticket.cls)
+                ticket.holds_slot = True
+                future.set_result(None)
 
     def _lane_busy(self) -> bool:
         return bool(self.background) and any(gate.in_flight.get(cls, 0) for gate in self.gates.values()
@@ -244,10 +327,14 @@ class AdmissionControl:
     def _pump(self, pool: str) -> None:
         """Admit waiters of `pool` in order while slots are free; each gets its ticket through its future."""
         gate = self.gates.get(pool)
-        if gate is None or not len(gate.queue):
+        if gate is None:
             return
         now = self.clock()
         for _ in range(2 if self.background else 1):  # again once: serving the foreground may open the lane
+            if self._paused.get(pool):
+                self._go_on(pool, gate)  # paused streams go on before new background requests
+            if not len(gate.queue):
+                return
             admitted = gate.admit_waiting(self._pool_limits(pool, gate), self.saturated(pool), now)
             if not admitted:
                 return
@@ -308,7 +395,8 @@ class AdmissionControl:
                 if self.background:
                     self._watch_lane(pool, gate)
                 self._pump(pool)
-            if not any(len(g.queue) for g in self.gates.values()) and not self._lane_busy():
+            if not any(len(g.queue) for g in self.gates.values()) and not self._lane_busy() \
+                    and not any(self._paused.values()):
                 self._wake.clear()
 
     def _refusal(self, pool: str, gate: PoolGate, cfg: TrafficClassConfig, cls: str, priority: int, why: str
@@ -516,7 +604,8 @@ class TrafficControl:
                 headroom = admission.headroom(name, gate)
                 pools[name]["background"] = {
                     c: {"window": w.limit(), "size": round(w.size, 2), "in_flight": gate.in_flight.get(c, 0),
-                        "headroom": headroom, "increases": w.increases, "decreases": w.decreases}
+                        "paused": admission.paused_streams(name, c), "headroom": headroom,
+                        "increases": w.increases, "decreases": w.decreases}
                     for c, w in sorted(lanes.items())}
         ttft = {}
         for cls, cfg in classes.items():

@@ -349,6 +349,10 @@ class RequestMetrics:
             "m3gate_stream_migrations", "Streams whose replica failed after the first byte, by outcome: resumed (on "
             "another replica; once per resumption), failed (no replica could resume it), refused (not resumable: "
             "structured output, n > 1, echo, ...; ended with the SSE error event).", ("pool", "outcome"))
+        self.pauses = counter(
+            "m3gate_stream_pauses", "Background streams paused for foreground requests waiting on a saturated pool "
+            "(their upstream request ended, the client held, resumed exactly when the lane had room again).",
+            ("pool", "class"))
         self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
         self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
         self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time

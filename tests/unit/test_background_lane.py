@@ -188,3 +188,89 @@ async def test_a_foreground_miss_cuts_the_window_and_its_p95_closes_the_lane() -
     ctl._pump("p")
     _, t = await asyncio.wait_for(waiting, 1)
     t.release(), bg.release()
+
+
+# pausing --------------------------------------------------------------------------------------------------------------
+
+class FakeStream:
+    """A background stream as the lane sees it (gateway/migration/'s Resumer): it counts the pauses asked of it."""
+
+    def __init__(self) -> None:
+        self.pauses = 0
+
+    def pause(self) -> bool:
+        self.pauses += 1
+        return True
+
+
+async def _running_stream(ctl: AdmissionControl) -> tuple[object, FakeStream]:
+    _, ticket = await ctl.admit(FakeClient().receive, ["p"], "batch", 9, "k")
+    stream = FakeStream()
+    ctl.pausable(ticket, stream)
+    return ticket, stream
+
+
+async def test_a_foreground_request_waiting_on_a_saturated_pool_pauses_background_streams() -> None:
+    clock, pressure = FakeClock(), {"p": False}
+    saturated = {"p": False}
+    classes = {"chat": TrafficClassConfig(priority=0, max_concurrency=8, queue_length=8),
+               "batch": TrafficClassConfig(priority=9, max_concurrency=4, background=True, max_pauses=1)}
+    ctl = AdmissionControl(TrafficConfig(classes=classes), clock, lambda pool: saturated[pool],
+                           lambda pool: pressure[pool])
+    ctl._gate("p").window("batch", 4).size = 4.0
+    ticket, stream = await _running_stream(ctl)
+    pressure["p"] = saturated["p"] = True
+    ctl._watch_lane("p", ctl.gates["p"])
+    assert stream.pauses == 0  # saturated, but no foreground request waits: nothing to make room for
+    chat = asyncio.ensure_future(ctl.admit(FakeClient().receive, ["p"], "chat", 0, "k"))
+    await _settle()
+    ctl._watch_lane("p", ctl.gates["p"])
+    assert stream.pauses == 1
+    hold = asyncio.ensure_future(ctl.paused(ticket))  # what the paused stream does: its slot goes back, it waits
+    await _settle()
+    assert ctl.gates["p"].in_flight.get("batch", 0) == 0 and not hold.done()
+    assert ctl.paused_streams("p", "batch") == 1
+    newcomer = asyncio.ensure_future(ctl.admit(FakeClient().receive, ["p"], "batch", 9, "k"))
+    pressure["p"] = saturated["p"] = False
+    clock.now += 2.0
+    ctl._pump("p")  # the foreground goes first, then the paused stream, then the newcomer (window: 4, halved once)
+    _, chat_ticket = await asyncio.wait_for(chat, 1)
+    await asyncio.wait_for(hold, 1)
+    assert ticket.holds_slot and ctl.counters["paused"] == 1
+    _, late = await asyncio.wait_for(newcomer, 1)
+    assert ctl.gates["p"].in_flight["batch"] == 2
+    pressure["p"] = saturated["p"] = True
+    again = asyncio.ensure_future(ctl.admit(FakeClient().receive, ["p"], "chat", 0, "k"))
+    await _settle()
+    ctl._watch_lane("p", ctl.gates["p"])
+    assert stream.pauses == 1  # max_pauses: 1, it runs to the end now
+    for t in (ticket, late, chat_ticket):
+        t.release()
+    again.cancel()
+
+
+async def test_a_paused_stream_whose_client_leaves_holds_no_slot_and_no_place() -> None:
+    clock, pressure = FakeClock(), {"p": False}
+    ctl = _lane(pressure, clock)
+    ticket, _ = await _running_stream(ctl)
+    pressure["p"] = True
+    hold = asyncio.ensure_future(ctl.paused(ticket))
+    await _settle()
+    hold.cancel()
+    await _settle()
+    assert not ctl._paused["p"] and ctl.gates["p"].in_flight.get("batch", 0) == 0
+    ticket.release()  # its request ends: nothing more is freed
+    assert ctl.gates["p"].in_flight.get("batch", 0) == 0 and not ctl._streams["p"]
+
+
+async def test_a_paused_stream_goes_on_after_its_longest_wait_whatever_the_lane_says() -> None:
+    clock, pressure = FakeClock(), {"p": True}
+    classes = {"chat": TrafficClassConfig(priority=0),
+               "batch": TrafficClassConfig(priority=9, background=True, max_queue_wait_s=0.05)}
+    ctl = AdmissionControl(TrafficConfig(classes=classes), clock, lambda pool: False, lambda pool: pressure[pool])
+    pressure["p"] = False
+    ticket, _ = await _running_stream(ctl)
+    pressure["p"] = True  # no headroom from here on
+    await asyncio.wait_for(ctl.paused(ticket), 1)
+    assert ticket.holds_slot and ctl.gates["p"].in_flight["batch"] == 1
+    ticket.release()
