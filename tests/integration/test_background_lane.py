@@ -91,7 +91,10 @@ def test_background_fills_spare_capacity_within_its_window(gateway: GatewayProce
     seen: list[dict[str, Any]] = []
     _watch(gateway, threads, seen)
     assert len(answers) == 10 and all(answers)
-    assert all(s["in_flight"] <= s["window"] for s in seen)  # never more in flight than the window allowed
+    peak = 0
+    for sample in seen:  # a cut window lets running requests end: never more in flight than it has allowed
+        peak = max(peak, sample["window"])
+        assert sample["in_flight"] <= peak
     assert max(s["window"] for s in seen) >= 3  # it grew from one on an idle pool: the spare capacity is used
     lane = _lane(gateway)
     assert lane["increases"] >= 2
@@ -105,7 +108,7 @@ def test_a_foreground_burst_shrinks_the_window_and_is_served(gateway: GatewayPro
     for t in warm:
         t.join(60)
     before = _lane(gateway)
-    assert before["window"] >= 3
+    assert before["window"] >= 2  # AIMD: it may have been cut since, never below what a halving can show
     background, bg_answers = _in_threads(6, lambda: _stream(client, 200, BATCH))
     deadline = time.monotonic() + 10
     while _lane(gateway)["in_flight"] < 3 and time.monotonic() < deadline:
