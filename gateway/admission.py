@@ -279,6 +279,15 @@ class AdmissionControl:
             self._gate(ticket.pool).take_slot(ticket.cls)
             ticket.holds_slot = True
 
+    def lanes(self, pool: str) -> dict[str, dict[str, Any]]:
+        """Per background class in `pool`: its window, requests in flight, streams paused (the status page)."""
+        gate = self.gates.get(pool)
+        if gate is None:
+            return {}
+        return {cls: {"window": w.limit(), "in_flight": gate.in_flight.get(cls, 0),
+                      "paused": self.paused_streams(pool, cls)}
+                for cls, w in sorted(gate.windows.items()) if cls in self.background}
+
     def paused_streams(self, pool: str, cls: str) -> int:
         """Streams of `cls` paused in `pool` now, waiting for the lane."""
         return sum(1 for ticket, _ in self._paused.get(pool, ()) if ticket.cls == cls)
@@ -599,14 +608,13 @@ class TrafficControl:
                 "classes": {c: {"in_flight": gate.in_flight.get(c, 0), "queued": gate.queue.queued(c)}
                             for c in sorted({*gate.in_flight, *(w.cls for w in gate.queue)})},
             }
-            lanes = {c: w for c, w in gate.windows.items() if c in admission.background}
+            lanes = admission.lanes(name)
             if lanes:
                 headroom = admission.headroom(name, gate)
-                pools[name]["background"] = {
-                    c: {"window": w.limit(), "size": round(w.size, 2), "in_flight": gate.in_flight.get(c, 0),
-                        "paused": admission.paused_streams(name, c), "headroom": headroom,
-                        "increases": w.increases, "decreases": w.decreases}
-                    for c, w in sorted(lanes.items())}
+                pools[name]["background"] = {c: {**lane, "size": round(gate.windows[c].size, 2), "headroom": headroom,
+                                                 "increases": gate.windows[c].increases,
+                                                 "decreases": gate.windows[c].decreases}
+                                             for c, lane in lanes.items()}
         ttft = {}
         for cls, cfg in classes.items():
             samples = sorted(self._ttft.get(cls, ()))
