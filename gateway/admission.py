@@ -11,6 +11,10 @@ Admission itself (`AdmissionControl`) turns policies/admission.py's pure state i
 a future that a freed slot resolves, while watching its client; a client that leaves is taken out of the queue at
 once, and a request that waited `max_queue_wait_s` is refused with 503. Slots are per process (the class limits are
 per gateway process; rate limits are the part shared across processes).
+
+Background classes (policies/background.py) go only into headroom, within a window per pool; while a foreground
+request waits on a saturated pool, the pool's background streams are paused (their Resumer ends the upstream request
+and `paused` holds them until the lane has room; docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -198,8 +202,8 @@ class AdmissionControl:
         return gate.window(cls, limit).limit() if self.headroom(pool, gate) else 0
 
     def _pool_limits(self, pool: str, gate: PoolGate) -> dict[str, int]:
-        if not self.background:
-            return self._limits
+        if not self.background or not any(gate.queue.queued(cls) for cls in self.background):
+            return self._limits  # no background request waits: its limit decides nothing here
         for cls in self.background:
             gate.window(cls, self._limits[cls])
         return lane_limits(self._limits, gate.windows, self.background, self.headroom(pool, gate))
