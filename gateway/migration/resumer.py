@@ -153,7 +153,8 @@ class Resumer:
 
     def reason_text(self, failure: str) -> str:
         return {"abort": "the replica aborted the stream", "error": "the replica sent an error mid-stream",
-                "stall": "the replica went silent"}.get(failure, failure)
+                "stall": "the replica went silent",
+                "pause": "paused for foreground work, then no replica took it"}.get(failure, failure)
 
     # the cut ------------------------------------------------------------------------------------------------------
     def start_from(self, filt: IdFilter) -> None:
