@@ -11,6 +11,10 @@ Admission itself (`AdmissionControl`) turns policies/admission.py's pure state i
 a future that a freed slot resolves, while watching its client; a client that leaves is taken out of the queue at
 once, and a request that waited `max_queue_wait_s` is refused with 503. Slots are per process (the class limits are
 per gateway process; rate limits are the part shared across processes).
+
+Background classes (policies/background.py) go only into headroom, within a window per pool; while a foreground
+request waits on a saturated pool, the pool's background streams are paused (their Resumer ends the upstream request
+and `paused` holds them until the lane has room; docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.types import Receive
@@ -30,6 +34,7 @@ from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline
 from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
+from policies.background import has_headroom, lane_limits
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
@@ -48,11 +53,21 @@ class ClientGone(Exception):
     """The client disconnected while its request waited for a slot."""
 
 
+class Pausable(Protocol):
+    """A background stream the lane may pause (gateway/migration/'s Resumer): `pause` ends its upstream request and
+    holds its client until `AdmissionControl.paused` lets it go on."""
+
+    pauses: int
+
+    def pause(self) -> bool: ...
+
+
 class Ticket:
     """A held admission slot, released exactly once however the upstream request ends (idempotent, like the
-    replica's LoadGuard; `__del__` is only the last line of defence)."""
+    replica's LoadGuard; `__del__` is only the last line of defence). A paused background stream's ticket holds no
+    slot (`holds_slot`) until the lane lets it go on."""
 
-    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge")
+    __slots__ = ("_owner", "pool", "cls", "queued_s", "session", "charge", "holds_slot", "stream")
 
     def __init__(self, owner: AdmissionControl, pool: str, cls: str, session: str = "", charge: float = 0.0) -> None:
         self._owner: AdmissionControl | None = owner
@@ -61,12 +76,17 @@ class Ticket:
         self.queued_s = 0.0  # how long its request waited in the queue for it (x-m3gate-queue-ms)
         self.session = session  # whose attained service its request counts in ("": none tracked)
         self.charge = charge
+        self.holds_slot = True
+        self.stream: Pausable | None = None  # a background stream the lane may pause
 
     def release(self, served: float = 0.0, output: float = 0.0) -> None:
         """`served`: tokens its request had prefilled (uncached) and decoded, `output` of them decoded."""
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner.release(self.pool, self.cls)
+            if self.stream is not None:
+                owner.forget(self)
+            if self.holds_slot:
+                owner.release(self.pool, self.cls)
             if self.session:
                 owner.ledger.ended(self.session, self.charge, served, output, owner.clock())
 
@@ -77,10 +97,14 @@ class Ticket:
 class AdmissionControl:
     """Per-pool slots, queues and spill for this gateway process."""
 
-    def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+    def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
+                 pressure: Callable[[str], bool] | None = None) -> None:
         self.clock = clock
         self.saturated = saturated
+        self.pressure = pressure or saturated  # some replica of the pool is saturated: the background lane's signal
         self.gates: dict[str, PoolGate] = {}
+        self._streams: dict[str, set[Ticket]] = {}  # per pool: its background streams that can be paused
+        self._paused: dict[str, deque[tuple[Ticket, asyncio.Future[None]]]] = {}  # per pool: paused, oldest first
         self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
         self._wake = asyncio.Event()
@@ -91,6 +115,13 @@ class AdmissionControl:
         """New limits apply at once: a raised limit lets waiters in at the next pump."""
         self.traffic = traffic
         self._limits = {name: c.max_concurrency for name, c in traffic.classes.items()}
+        self.background = traffic.background_classes()
+        for gate in self.gates.values():
+            for cls in list(gate.windows):
+                if cls in self.background:
+                    gate.windows[cls].resize(self._limits[cls])
+                else:
+                    del gate.windows[cls]
         self._wake.set()
 
     def start(self) -> None:
@@ -124,12 +155,12 @@ class AdmissionControl:
         gate = self._gate(home)
         if len(gate.queue):
             self._pump(home)  # whoever is already waiting goes first
-        if gate.has_room(cls, cfg.max_concurrency, self.saturated(home)):
+        if gate.has_room(cls, self._limit(gate, home, cls), self.saturated(home)):
             return home, self._grant(gate, home, cls, session, charge)
         if cfg.spill_upward:
             for name in pools[1:]:
                 other = self._gate(name)
-                if not len(other.queue) and other.has_room(cls, cfg.max_concurrency, self.saturated(name)):
+                if not len(other.queue) and other.has_room(cls, self._limit(other, name, cls), self.saturated(name)):
                     self.counters["spilled"] += 1
                     return name, self._grant(other, name, cls, session, charge)
         if gate.queue.queued(cls) >= cfg.queue_length:
@@ -154,8 +185,141 @@ class AdmissionControl:
         if gate is None:
             return
         gate.free_slot(cls, self.clock())
-        if len(gate.queue):
+        if len(gate.queue) or self._paused.get(pool):
             self._pump(pool)
+
+    # the background lane (policies/background.py) ------------------------------------------------------------
+    def headroom(self, pool: str, gate: PoolGate) -> bool:
+        """Background work may go to `pool` now: no foreground class waits there, no replica is saturated, the
+        foreground's recent TTFT there is within target."""
+        return has_headroom(gate.queue.classes(), self.background, self.pressure(pool),
+                            gate.latency.within_target(self.clock()))
+
+    def _limit(self, gate: PoolGate, pool: str, cls: str) -> int:
+        limit = self._limits[cls]
+        if cls not in self.background:
+            return limit
+        return gate.window(cls, limit).limit() if self.headroom(pool, gate) else 0
+
+    def _pool_limits(self, pool: str, gate: PoolGate) -> dict[str, int]:
+        if not self.background or not any(gate.queue.queued(cls) for cls in self.background):
+            return self._limits  # no background request waits: its limit decides nothing here
+        for cls in self.background:
+            gate.window(cls, self._limits[cls])
+        return lane_limits(self._limits, gate.windows, self.background, self.headroom(pool, gate))
+
+    def lane_ended(self, pool: str, cls: str, ok: bool, refused: bool) -> None:
+        """A background request ended (before its slot is freed): a success grows its window, a refusal cuts it."""
+        gate = self.gates.get(pool)
+        if gate is None or cls not in self.background:
+            return
+        window = gate.window(cls, self._limits[cls])
+        if refused:
+            window.congested(self.clock())
+        elif ok:
+            window.succeeded(gate.in_flight.get(cls, 0))
+
+    def foreground_ttft(self, pool: str, ttft_s: float, target_s: float) -> None:
+        """A foreground stream's first token: one that missed its target cuts the pool's background windows."""
+        gate = self.gates.get(pool)
+        if gate is None or not self.background:
+            return
+        now = self.clock()
+        if gate.latency.observe(now, ttft_s, target_s):
+            for window in gate.windows.values():
+                window.congested(now)
+
+    def _watch_lane(self, pool: str, gate: PoolGate) -> None:
+        """A saturated replica while background work runs in the pool cuts its windows (once per hold); a
+        foreground request waiting on the saturated pool pauses its background streams."""
+        running = [cls for cls in self.background if gate.in_flight.get(cls, 0)]
+        if running and self.pressure(pool):
+            now = self.clock()
+            for cls in running:
+                gate.window(cls, self._limits[cls]).congested(now)
+            if self._streams.get(pool) and self.saturated(pool) \
+                    and not all(cls in self.background for cls in gate.queue.classes()):
+                self._pause_streams(pool)
+
+    def _pause_streams(self, pool: str) -> None:
+        """Pause the pool's running background streams that have pauses left (`max_pauses` of their class)."""
+        for ticket in list(self._streams.get(pool, ())):
+            cfg = self.traffic.classes.get(ticket.cls)
+            stream = ticket.stream
+            if ticket.holds_slot and cfg is not None and stream is not None and stream.pauses < cfg.max_pauses:
+                stream.pause()
+
+    def pausable(self, ticket: Ticket, stream: Pausable) -> None:
+        """`stream` (its request holds `ticket`) may be paused if its class is background."""
+        if ticket.cls in self.background:
+            ticket.stream = stream
+            self._streams.setdefault(ticket.pool, set()).add(ticket)
+
+    def forget(self, ticket: Ticket) -> None:
+        streams = self._streams.get(ticket.pool)
+        if streams is not None:
+            streams.discard(ticket)
+
+    async def paused(self, ticket: Ticket) -> None:
+        """`ticket`'s stream was paused: its slot goes back now; returns when the lane has room for it again
+        (paused streams go on before new background requests, oldest first), or after its class's
+        max_queue_wait_s whatever the lane says. Cancelled (its client left): it holds no slot and no place."""
+        self.counters["paused"] += 1
+        if ticket.holds_slot:
+            ticket.holds_slot = False
+            self.release(ticket.pool, ticket.cls)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._paused.setdefault(ticket.pool, deque())
+        waiting.append((ticket, future))
+        self._wake.set()
+        cfg = self.traffic.classes.get(ticket.cls)
+        try:
+            await asyncio.wait((future,), timeout=cfg.max_queue_wait_s if cfg is not None else None)
+        finally:
+            if not future.done():
+                future.cancel()
+                waiting.remove((ticket, future))
+        if not ticket.holds_slot:  # waited its longest: it goes on all the same
+            self._gate(ticket.pool).take_slot(ticket.cls)
+            ticket.holds_slot = True
+
+    def lanes(self, pool: str) -> dict[str, dict[str, Any]]:
+        """Per background class in `pool`: its window, requests in flight, streams paused (the status page)."""
+        gate = self.gates.get(pool)
+        if gate is None:
+            return {}
+        return {cls: {"window": w.limit(), "in_flight": gate.in_flight.get(cls, 0),
+                      "paused": self.paused_streams(pool, cls)}
+                for cls, w in sorted(gate.windows.items()) if cls in self.background}
+
+    def paused_streams(self, pool: str, cls: str) -> int:
+        """Streams of `cls` paused in `pool` now, waiting for the lane."""
+        return sum(1 for ticket, _ in self._paused.get(pool, ()) if ticket.cls == cls)
+
+    def _go_on(self, pool: str, gate: PoolGate) -> None:
+        """Paused streams take the lane's room first, while there is headroom."""
+        waiting = self._paused[pool]
+        if self.saturated(pool) or not self.headroom(pool, gate):
+            return
+        while waiting:
+            ticket, future = waiting[0]
+            limit = self._limits.get(ticket.cls)
+            if limit is not None and gate.in_flight.get(ticket.cls, 0) >= gate.window(ticket.cls, limit).limit():
+                return
+            waiting.popleft()
+            if not future.done():
+                gate.take_slot(ticket.cls)
+                ticket.holds_slot = True
+                future.set_result(None)
+
+    def _lane_busy(self) -> bool:
+        return bool(self.background) and any(gate.in_flight.get(cls, 0) for gate in self.gates.values()
+                                              for cls in self.background)
+
+    def lane_view(self) -> list[tuple[str, str, int]]:
+        """(pool, background class, window) for every pool a background class has been admitted to or waited on."""
+        return [(pool, cls, window.limit()) for pool, gate in self.gates.items()
+                for cls, window in gate.windows.items() if cls in self.background]
 
     # internals -----------------------------------------------------------------------------------------------
     def _gate(self, pool: str) -> PoolGate:
@@ -167,6 +331,8 @@ class AdmissionControl:
     def _grant(self, gate: PoolGate, pool: str, cls: str, session: str, charge: float) -> Ticket:
         gate.take_slot(cls)
         self.counters["admitted"] += 1
+        if cls in self.background:
+            self._wake.set()  # the ticker watches the pool's replicas while background work runs
         if session:
             self.ledger.admitted(session, charge, self.clock())
         return Ticket(self, pool, cls, session, charge)
@@ -174,10 +340,21 @@ class AdmissionControl:
     def _pump(self, pool: str) -> None:
         """Admit waiters of `pool` in order while slots are free; each gets its ticket through its future."""
         gate = self.gates.get(pool)
-        if gate is None or not len(gate.queue):
+        if gate is None:
             return
         now = self.clock()
-        for waiter in gate.admit_waiting(self._limits, self.saturated(pool), now):
+        for _ in range(2 if self.background else 1):  # again once: serving the foreground may open the lane
+            if self._paused.get(pool):
+                self._go_on(pool, gate)  # paused streams go on before new background requests
+            if not len(gate.queue):
+                return
+            admitted = gate.admit_waiting(self._pool_limits(pool, gate), self.saturated(pool), now)
+            if not admitted:
+                return
+            self._hand_out(pool, admitted, now)
+
+    def _hand_out(self, pool: str, admitted: list[Waiter], now: float) -> None:
+        for waiter in admitted:
             if waiter.session:
                 self.ledger.admitted(waiter.session, waiter.charge, now)
             ticket = Ticket(self, pool, waiter.cls, waiter.session, waiter.charge)
@@ -222,14 +399,17 @@ class AdmissionControl:
             future.cancel()
 
     async def _tick(self) -> None:
-        """While anything waits, re-check every TICK_S: replica saturation and reloaded limits change without a
-        slot being freed."""
+        """While anything waits or background work runs, re-check every TICK_S: replica saturation and reloaded
+        limits change without a slot being freed."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(TICK_S)
-            for pool in list(self.gates):
+            for pool, gate in list(self.gates.items()):
+                if self.background:
+                    self._watch_lane(pool, gate)
                 self._pump(pool)
-            if not any(len(g.queue) for g in self.gates.values()):
+            if not any(len(g.queue) for g in self.gates.values()) and not self._lane_busy() \
+                    and not any(self._paused.values()):
                 self._wake.clear()
 
     def _refusal(self, pool: str, gate: PoolGate, cfg: TrafficClassConfig, cls: str, priority: int, why: str
@@ -268,14 +448,15 @@ class Admitted:
 class TrafficControl:
     """Keys, input limits, classes, rate limits and admission for one gateway process."""
 
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool]) -> None:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
+                 pressure: Callable[[str], bool] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.keys = KeyStore(config.access.all_keys())
         access = config.access
         self.rate = RateLimiter(access.rate_limit_redis or config.state, prefix=access.rate_limit_prefix,
                                 timeout_s=access.redis_timeout_s, retry_s=access.redis_retry_s)
-        self.admission = AdmissionControl(config.traffic, clock, saturated)
+        self.admission = AdmissionControl(config.traffic, clock, saturated, pressure)
         self._ttft: dict[str, deque[float]] = {}
         self._by_size = config.pools_by_size()  # sorted once per config, not per request
 
@@ -394,11 +575,26 @@ class TrafficControl:
         """The upstream request has ended (or never started): free its slot, note its first-token latency."""
         ticket, record.admission_ticket = record.admission_ticket, None
         if ticket is not None:
+            self._lane_outcome(ticket, record)
             prompt, completion, cached = record.tokens()
             ticket.release(max(0, prompt - cached) + completion, completion)
             if record.stream and record.status == 200 and record.t_first_byte and record.traffic_class:
                 samples = self._ttft.setdefault(record.traffic_class, deque(maxlen=_TTFT_SAMPLES))
                 samples.append(record.t_first_byte - record.t_arrival)
+
+    def _lane_outcome(self, ticket: Ticket, record: RequestRecord) -> None:
+        """What the background lane learns from a request that ended: a background one's success or refusal, a
+        foreground stream's time to first token against its class's target."""
+        admission = self.admission
+        if not admission.background:
+            return
+        if ticket.cls in admission.background:
+            ok = record.status == 200 and record.error is None and not record.client_disconnected
+            admission.lane_ended(ticket.pool, ticket.cls, ok, record.status == 429 or record.status >= 500)
+            return
+        cfg = self.config.traffic.classes.get(ticket.cls)
+        if cfg is not None and record.stream and record.status == 200 and record.t_first_byte:
+            admission.foreground_ttft(ticket.pool, record.t_first_byte - record.t_arrival, cfg.ttft_target_s)
 
     # operators -----------------------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
@@ -408,18 +604,27 @@ class TrafficControl:
         now = self.clock()
         classes = self.config.traffic.classes
         pools = {}
-        for name, gate in self.admission.gates.items():
+        admission = self.admission
+        for name, gate in admission.gates.items():
             pools[name] = {
                 "drain_per_s": round(gate.drain.per_second(now) or 0.0, 3),
-                "saturated": self.admission.saturated(name),
+                "saturated": admission.saturated(name),
                 "classes": {c: {"in_flight": gate.in_flight.get(c, 0), "queued": gate.queue.queued(c)}
                             for c in sorted({*gate.in_flight, *(w.cls for w in gate.queue)})},
             }
+            lanes = admission.lanes(name)
+            if lanes:
+                headroom = admission.headroom(name, gate)
+                pools[name]["background"] = {c: {**lane, "size": round(gate.windows[c].size, 2), "headroom": headroom,
+                                                 "increases": gate.windows[c].increases,
+                                                 "decreases": gate.windows[c].decreases}
+                                             for c, lane in lanes.items()}
         ttft = {}
         for cls, cfg in classes.items():
             samples = sorted(self._ttft.get(cls, ()))
             p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)] if samples else None
             ttft[cls] = {"priority": cfg.priority, "fairness": cfg.fairness, "max_concurrency": cfg.max_concurrency,
+                         "background": cfg.background,
                          "queue_length": cfg.queue_length, "max_queue_wait_s": cfg.max_queue_wait_s,
                          "ttft_target_s": cfg.ttft_target_s, "ttft_p95_s": None if p95 is None else round(p95, 4),
                          "ttft_samples": len(samples),

@@ -20,7 +20,7 @@ from gateway.observability.recent import RecentRequests
 from gateway.relay import DisconnectWatches
 from gateway.sessions import SessionTracker
 from gateway.observability.telemetry import Telemetry
-from policies.admission import pool_saturated
+from policies.admission import pool_pressure, pool_saturated
 from policies.config import GatewayConfig
 from policies.estimates import TokenEstimateRatios
 from policies.latency_model import TtftCalibrator
@@ -62,7 +62,7 @@ class Gateway:
             config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model,
             sessions=self.sessions.store if self.sessions is not None and shares else None,
         )
-        self.traffic = TrafficControl(config, clock, self.pool_saturated)
+        self.traffic = TrafficControl(config, clock, self.pool_saturated, self.pool_pressure)
         self.capacity = CapacitySignal(self)  # replicas each pool role needs (m3gate_pool_desired_replicas)
 
     # config ------------------------------------------------------------------------------------------------
@@ -175,6 +175,13 @@ class Gateway:
         if pool is None:
             return False
         return pool_saturated(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
+
+    def pool_pressure(self, name: str) -> bool:
+        """Some available replica of the pool is saturated (the background lane backs off)."""
+        pool = self.pools.get(name)
+        if pool is None:
+            return False
+        return pool_pressure(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
 
     def probe_headers(self, replica: Replica) -> dict[str, str]:
         pool = self.pools.get(replica.pool)

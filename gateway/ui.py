@@ -133,6 +133,7 @@ def _pools(gw: Gateway, now: float) -> list[dict[str, Any]]:
             "precise": precise is not None,
             "launch_replicas": launch.replicas if launch is not None else None,
             "available": sum(1 for r in replicas if r["state"] == "available"), "replicas": replicas,
+            "background": [{"class": cls, **lane} for cls, lane in gw.traffic.admission.lanes(name).items()],
             "capacity": [{"role": role, "current": e["current"], "desired": e["desired"], "bottleneck": e["bottleneck"]}
                          for (pool, role), e in sorted(sizing.items()) if pool == name],
         })

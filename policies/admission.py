@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.background import BackgroundWindow, ForegroundLatency
 from policies.errors import RequestRejected
 from policies.snapshot import ReplicaSnapshot
 from policies.config import SaturationConfig
@@ -322,6 +323,12 @@ def pool_saturated(snapshots: Sequence[ReplicaSnapshot], cfg: SaturationConfig) 
     return any_available
 
 
+def pool_pressure(snapshots: Sequence[ReplicaSnapshot], cfg: SaturationConfig) -> bool:
+    """Some available replica of the pool is saturated: the background lane backs off (`pool_saturated`, every
+    one of them, is when foreground admission waits)."""
+    return any(s.healthy and not s.draining and replica_saturated(s, cfg) for s in snapshots)
+
+
 @dataclass
 class PoolGate:
     """One pool's admission state in this gateway process: requests in flight per class, the queue, the drain."""
@@ -329,6 +336,8 @@ class PoolGate:
     in_flight: Counter[str] = field(default_factory=Counter)
     queue: FairQueue = field(default_factory=FairQueue)
     drain: DrainRate = field(default_factory=DrainRate)
+    windows: dict[str, BackgroundWindow] = field(default_factory=dict)  # per background class (policies/background.py)
+    latency: ForegroundLatency = field(default_factory=ForegroundLatency)  # the foreground's recent TTFT here
 
     @classmethod
     def with_ledger(cls, ledger: ServiceLedger) -> PoolGate:
@@ -340,6 +349,13 @@ class PoolGate:
         its class is already waiting (no overtaking within a class; other classes' waiters are blocked by their
         own limits and do not hold this one back)."""
         return not saturated and self.in_flight.get(cls, 0) < limit and not self.queue.queued(cls)
+
+    def window(self, cls: str, ceiling: int) -> BackgroundWindow:
+        """Background class `cls`'s window in this pool, made on first use (`ceiling`: its max_concurrency)."""
+        window = self.windows.get(cls)
+        if window is None:
+            window = self.windows[cls] = BackgroundWindow(ceiling=ceiling)
+        return window
 
     def _room_for_any(self, limits: Mapping[str, int]) -> bool:
         in_flight = self.in_flight

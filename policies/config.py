@@ -564,6 +564,18 @@ class TrafficClassConfig(_Strict):
         default=False, description="With SLO-aware routing: when no replica of any pool it may use is predicted to "
         "meet its TTFT objective, answer 429 with Retry-After at once rather than serve it late.",
     )
+    background: bool = Field(
+        default=False, description="A background class uses only spare capacity: in each pool it is admitted only "
+        "while no foreground class waits there, no replica is saturated and the foreground classes' TTFT p95 there "
+        "is within target, up to a window grown by one per success and halved on a refusal, a saturated replica or "
+        "a missed foreground target (m3gate_background_window). Its priority must be after every foreground "
+        "class's.",
+    )
+    max_pauses: int = Field(
+        default=3, ge=0, le=100, description="Background classes: times one of its streams may be paused (its "
+        "upstream request ended, the client held, resumed exactly later) to make room for foreground requests "
+        "waiting on a saturated pool; after that it runs to the end.",
+    )
     targets: LatencyTargets = Field(
         default_factory=LatencyTargets, description="Latency objectives per percentile (TTFT, TPOT, end to end): "
         "the operating contract `m3gate contract` writes and checks, and the SLO alert rules it generates.",
@@ -647,7 +659,28 @@ class TrafficConfig(_Strict):
             unknown.append(self.latency_class)
         if unknown:
             raise ValueError(f"unknown traffic class(es) {unknown}; defined: {sorted(self.classes)}")
+        return self._background_after_foreground()
+
+    def _background_after_foreground(self) -> TrafficConfig:
+        """Background classes wait behind every foreground class (the gateway's queue and vLLM's priority agree)
+        and are never the class latency-sensitive requests are promoted to."""
+        background = self.background_classes()
+        if not background:
+            return self
+        foreground = [c.priority for name, c in self.classes.items() if name not in background]
+        if not foreground:
+            raise ValueError("every traffic class is background: a background class uses the capacity foreground "
+                             "classes leave, so define at least one class without background: true")
+        late = [name for name in sorted(background) if self.classes[name].priority <= max(foreground)]
+        if late:
+            raise ValueError(f"background class(es) {late} need a priority after every foreground class's "
+                             f"(greater than {max(foreground)})")
+        if self.latency_class in background:
+            raise ValueError(f"latency_class '{self.latency_class}' is a background class")
         return self
+
+    def background_classes(self) -> frozenset[str]:
+        return frozenset(name for name, c in self.classes.items() if c.background)
 
     def top_class(self) -> str:
         """The latency class: configured, else the one served first."""

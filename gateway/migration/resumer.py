@@ -112,6 +112,9 @@ class Resumer:
     first: Held | None = None  # the first leg's (released when it fails: its replica no longer works for us)
     aborted: bool = False  # the current leg's replica ended it with finish_reason "abort"
     refused: str | None = None  # why this stream cannot be resumed (policies.migration.refusal), if it cannot
+    pauses: int = 0  # times the background lane paused it (gateway/admission.py)
+    pausing: bool = False  # its current leg is being ended by a pause, not a failure
+    current: tuple[Held, SseFilter] | None = None  # the leg being relayed, and the filter the relay reads it through
 
     def parts(self, held: Held, replica: Replica, strip_usage: bool) -> tuple[SseFilter | None, Any]:
         """The first leg's filter and the relay's resume hook: the id-keeping filter, watched for stalls, when the
@@ -121,7 +124,26 @@ class Resumer:
         filt = IdFilter(strip_usage, chat=self.api == "chat")
         self.first = held
         self.watch.add(filt, held, replica, self.stall_timeout_s)
+        self.current = (held, filt)
+        ticket = self.record.admission_ticket
+        if ticket is not None:
+            self.gw.traffic.admission.pausable(ticket, self)
         return filt, self.run
+
+    def pause(self) -> bool:
+        """The background lane makes room: end the current leg's upstream request (vLLM aborts it, its batch slot
+        and KV blocks free up); the relay reads that as a cut and `run` holds the client until the lane lets it go
+        on. False when there is nothing to pause (between legs, already pausing, finished)."""
+        current = self.current
+        if current is None or self.pausing or self.finish is not None:
+            return False
+        held, filt = current
+        if held.response is None:
+            return False
+        self.pausing, self.pauses = True, self.pauses + 1
+        filt.failure = filt.failure or "pause"
+        held.response.close()
+        return True
 
     async def _refuse(self, send: Send, filt: SseFilter, failure: str) -> None:
         self.gw.telemetry.migration(self.record, "refused", 0, "")
@@ -131,7 +153,8 @@ class Resumer:
 
     def reason_text(self, failure: str) -> str:
         return {"abort": "the replica aborted the stream", "error": "the replica sent an error mid-stream",
-                "stall": "the replica went silent"}.get(failure, failure)
+                "stall": "the replica went silent",
+                "pause": "paused for foreground work, then no replica took it"}.get(failure, failure)
 
     # the cut ------------------------------------------------------------------------------------------------------
     def start_from(self, filt: IdFilter) -> None:
@@ -167,39 +190,63 @@ class Resumer:
         max_migrations times, or end it with the SSE error event. Writes the stream's end either way. An answer
         whose finish chunk the client has is complete: only what is missing of its end is written."""
         record = self.record
+        self.current = None
         if self.first is not None:
             self.first.close(abort=True)  # the failed replica's in-flight count ends with its leg
         self.start_from(filt)
         if filt.finished:
+            self.pausing = False
             record.error = None
             await self._write(send, self._ending(usage=None if self.include_usage and filt.usage is None
                                                  else filt.usage or {}), end=True)
             return
         record.t_cut = record.t_cut or self.gw.clock()
-        failed = {record.replica}
-        for _ in range(self.max_migrations):
-            if nothing_left(self.body, self.api, self.done):  # died after its last token: the end is ours to write
-                self.gw.telemetry.migration(record, "resumed", self.done, "")
-                del self.generated[self.done:]
-                await self._write(send, self._final_chunk() + self._ending(), end=True)
-                return
-            leg = await self._open(failed)
-            if leg is None:
-                break
-            self.gw.telemetry.migration(record, "resumed", self.done, leg.replica.url)
-            try:
-                ok = await self._relay(leg, send)
-            finally:
-                leg.held.close(abort=True)
-            if ok:
-                record.error = None
-                return
-            failed.add(leg.replica.url)
+        if await self._legs(send, set() if self.pausing else {record.replica}):
+            record.error = None
+            return
         self.gw.telemetry.migration(record, "failed", self.done, "")
         record.error = f"upstream failed mid-stream: {self.reason_text(failure)}; not resumed"
         await self._write(send, stream_error_event(
             self.api, "the replica failed mid-stream and no other replica could resume it; retry the request"),
             end=True)
+
+    async def _legs(self, send: Send, failed: set[str]) -> bool:
+        """Continuations until the answer ends (True), or no replica can take it, or max_migrations failures
+        (False). A paused leg is no failure: the stream waits for the lane, then goes on, on its replica first."""
+        migrations = 0
+        while True:
+            paused = self.pausing
+            if paused:
+                await self._wait_for_lane()
+            elif migrations == self.max_migrations:
+                return False
+            else:
+                migrations += 1
+            if nothing_left(self.body, self.api, self.done):  # died after its last token: the end is ours to write
+                self.gw.telemetry.migration(self.record, "resumed", self.done, "")
+                del self.generated[self.done:]
+                await self._write(send, self._final_chunk() + self._ending(), end=True)
+                return True
+            leg = await self._open(failed, self.record.replica if paused else None)
+            if leg is None:
+                return False
+            if not paused:
+                self.gw.telemetry.migration(self.record, "resumed", self.done, leg.replica.url)
+            try:
+                if await self._relay(leg, send):
+                    return True
+            finally:
+                leg.held.close(abort=True)
+            if not self.pausing:
+                failed.add(leg.replica.url)
+
+    async def _wait_for_lane(self) -> None:
+        """Paused: its admission slot goes back, the client gets nothing until the lane has room again."""
+        ticket = self.record.admission_ticket
+        if ticket is not None:
+            self.gw.telemetry.pause(ticket.pool, ticket.cls)
+            await self.gw.traffic.admission.paused(ticket)
+        self.pausing = False
 
     def _blame(self, pool_name: str, url: str) -> None:
         """A replica that broke a stream counts it as a failure (three in a row eject it), resumed or not."""
@@ -208,11 +255,15 @@ class Resumer:
         if replica is not None:
             replica.record_failure(self.gw.clock(), answered=True)
 
-    async def _open(self, failed: set[str]) -> Leg | None:
+    async def _open(self, failed: set[str], prefer: str | None = None) -> Leg | None:
         """The continuation's stream, open on the first target that takes it (sent through `Upstream.resume`);
-        None when none does. A target whose /tokenize gives no ids cannot resume it."""
+        None when none does. A target whose /tokenize gives no ids cannot resume it. `prefer`: the replica to try
+        first (a paused stream's own, whose prefix cache likely still holds it); it is then not blamed."""
         again = self.api == "chat" and self.done == 0  # nothing committed: the chat request again
-        for target in self.choose(failed)[:3]:
+        targets = self.choose(failed)
+        if prefer is not None:
+            targets.sort(key=lambda t: t.replica.url != prefer)
+        for target in targets[:3]:
             if again:
                 path, payload = self.record.path, self.payload
             else:
@@ -225,7 +276,8 @@ class Resumer:
                                          self.generated[: self.done].tolist())
             opened = await self.send_leg(target, path, payload, self.prompt_tokens + self.done + 1)
             if isinstance(opened, tuple):
-                self._blame(self.record.pool, self.record.replica)  # the last one is judged when it ends
+                if prefer is None:
+                    self._blame(self.record.pool, self.record.replica)  # the last one is judged when it ends
                 self.record.pool, self.record.replica = target.pool.name, target.replica.url
                 return Leg(target.replica, opened[0], opened[1], "chat" if again else "completions")
             failed.add(target.replica.url)
@@ -267,11 +319,13 @@ class Resumer:
         progress = SseFilter(False)  # the stall watch's view of this leg
         key = self.watch.add(progress, leg.held, leg.replica, self.stall_timeout_s)
         self.aborted = False
+        self.current = (leg.held, progress)
         try:
             return await self._pump(leg, send, handle, progress)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
         finally:
+            self.current = None
             self.watch.remove(key)
             if leg.kind == "chat" and self.finish is None and again.replayed:  # its chunks are the record now
                 self.generated = again.ids

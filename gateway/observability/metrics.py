@@ -352,6 +352,10 @@ class RequestMetrics:
             "m3gate_stream_migrations", "Streams whose replica failed after the first byte, by outcome: resumed (on "
             "another replica; once per resumption), failed (no replica could resume it), refused (not resumable: "
             "structured output, n > 1, echo, ...; ended with the SSE error event).", ("pool", "outcome"))
+        self.pauses = counter(
+            "m3gate_stream_pauses", "Background streams paused for foreground requests waiting on a saturated pool "
+            "(their upstream request ended, the client held, resumed exactly when the lane had room again).",
+            ("pool", "class"))
         self.reloads = counter("m3gate_config_reloads", "Config reloads by result.", ("result",))
         self.reloads.values.update({("success",): 0.0, ("failure",): 0.0})  # both series exist from the start
         self.redis_up: bool | None = None  # set by the shared-state code; None: read its `available` at scrape time
@@ -618,6 +622,7 @@ class ReplicaCollector:
             for (name, role), value in sorted(capacity.desired().items()):
                 desired.add_metric([name, role], float(value))
             yield desired
+        yield from _background_windows(gw)
         estimates = getattr(gw, "estimates", None)
         if estimates is not None:
             ratio = GaugeMetricFamily("m3gate_token_estimate_ratio", "Prompt tokens the pool's replicas count ÷ the "
@@ -639,6 +644,20 @@ class ReplicaCollector:
         if self._metrics.redis_up is not None:
             return self._metrics.redis_up
         return bool(getattr(getattr(self._gateway, "shared", None), "available", False))
+
+
+def _background_windows(gw: Any) -> Iterator[Metric]:
+    """The background lane's window per pool and background class (gateway/admission.py), when there is one."""
+    traffic = getattr(gw, "traffic", None)
+    lanes = traffic.admission.lane_view() if traffic is not None else []
+    if lanes:
+        window = GaugeMetricFamily("m3gate_background_window", "Requests of the background class this gateway "
+                                   "process lets in flight in the pool now (AIMD: one more per success, halved on a "
+                                   "refusal, a saturated replica or a missed foreground target); 0 are admitted "
+                                   "while the pool has no headroom.", labels=["pool", "class"])
+        for pool, cls, size in lanes:
+            window.add_metric([pool, cls], float(size))
+        yield window
 
 
 class GatewayMetrics:

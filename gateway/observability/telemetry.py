@@ -808,6 +808,11 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.requests.migrations.inc((record.pool or "none", outcome))
 
+    def pause(self, pool: str, cls: str) -> None:
+        """A background stream of `cls` admitted to `pool` was paused for foreground work."""
+        if self.metrics is not None:
+            self.metrics.requests.pauses.inc((pool, cls))
+
     def pd_decision(self, pool: str, path: str) -> None:
         """A disaggregated pool's decider chose `path` for a request."""
         if self.metrics is not None and self._pd is not None:

@@ -103,6 +103,9 @@ function renderPools(pools) {
         title: "replicas this pool" + (c.role === "both" ? "" : "'s " + c.role + " side") + " needs for its classes' TTFT/TPOT p95 targets now, queueing included (m3gate_pool_desired_replicas; GET /admin/capacity)" },
         (c.role === "both" ? "" : c.role + ": ") + (c.desired === null ? "sizing…" : `needs ${c.desired}`)
         + (c.desired !== null && c.bottleneck ? ` (${c.bottleneck.replace("_", " ")})` : ""))),
+      ...(p.background || []).map((b) => h("span", { class: "background", "data-class": b.class,
+        title: "background class " + b.class + ": requests in flight / its window in this pool (it uses only spare capacity: m3gate_background_window) · streams paused for foreground requests, waiting to go on" },
+        `${b.class}: ${b.in_flight}/${b.window} window` + (b.paused ? ` · ${b.paused} paused` : ""))),
       h("span", { class: "mute", title: "inputs the pool accepts · its replica-choice policy" + (p.precise ? " · precise: routed on the replicas' own KV events" : "") },
         p.modalities.join(", ") + " · " + p.policy + (p.precise ? " · precise" : "")));
     const rows = p.replicas.map((r) => {

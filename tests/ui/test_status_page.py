@@ -48,6 +48,7 @@ def gateway_config(sims: list[SimProcess]) -> dict[str, Any]:
         "traffic": {"classes": {
             "interactive": {"priority": 0, "targets": {"ttft_ms": {"p50": 200, "p95": 1000}, "tpot_ms": {"p95": 50}}},
             "repository": {"priority": 1, "targets": {"ttft_ms": {"p95": 10000}}},
+            "batch": {"priority": 9, "background": True},
         }},
     }
 
@@ -142,10 +143,10 @@ def page(stack: tuple[GatewayProcess, list[SimProcess]]) -> Iterator[Page]:
         driver.quit()
 
 
-def chat(base: str, stream: bool = True) -> None:
+def chat(base: str, stream: bool = True, headers: dict[str, str] | None = None) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "show me the stages"}], "max_tokens": 24,
             "stream": stream}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as resp:
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers, timeout=30) as resp:
         assert resp.status_code == 200
         for _ in resp.iter_bytes():
             pass
@@ -157,12 +158,21 @@ def test_every_pool_and_replica_is_shown(page: Page, stack: tuple[GatewayProcess
     assert set(page.attrs("tr.replica", "data-replica")) == {s.url for s in sims}
     assert set(page.attrs("div.pool", "data-pool")) == {"interactive", "repository"}
     assert "ceiling 32K tokens" in page.texts("#pool-interactive")[0]
-    assert set(page.attrs("tr.traffic-class", "data-class")) == {"interactive", "repository"}
+    assert set(page.attrs("tr.traffic-class", "data-class")) == {"interactive", "repository", "batch"}
     # each pool's capacity signal: "sizing…" for the first window, then the replicas running, and once the
     # stabilization window has passed the replicas it needs (idle: the minimum)
     page.wait("each pool's capacity signal", lambda: page.attrs("#pool-interactive span.capacity", "data-desired")
               == ["1"] and page.attrs("#pool-repository span.capacity", "data-desired") == ["1"], timeout=15)
     assert "needs 1" in page.texts("#pool-interactive span.capacity")[0]
+    assert page.console_errors() == []
+
+
+def test_a_pools_background_lane_is_shown(page: Page, stack: tuple[GatewayProcess, list[SimProcess]]) -> None:
+    chat(stack[0].url, headers={"x-m3gate-class": "batch"})
+    page.wait("the background lane of the pool", lambda: page.attrs("#pool-interactive span.background", "data-class")
+              == ["batch"])
+    # in flight / window; one success grew it from one to two
+    page.wait("the lane's window", lambda: page.texts("#pool-interactive span.background") == ["batch: 0/2 window"])
     assert page.console_errors() == []
 
 

@@ -1,0 +1,213 @@
+"""The background lane through a real gateway in front of one simulated replica that runs at most four sequences at
+once (more wait inside it: `vllm:num_requests_waiting`, which the gateway reads as saturation at 1): a background
+class fills the spare capacity of an idle pool (its window grows from one as its requests succeed, never more of
+them in flight than the window), and a foreground burst that saturates the replica shrinks the window while the
+foreground is served; background streams running when foreground requests wait on the saturated pool are paused
+(their upstream request ended, the client held) and resumed exactly: each greedy answer (chat, chat with reasoning,
+completions) equals its uninterrupted one, with no error, repeated or lost token."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.cli.launcher import GatewayProcess, start_gateway
+from pools.sim.launcher import running_sims
+
+MODEL = "MiniMaxAI/MiniMax-M3"
+BATCH = {"x-m3gate-class": "batch"}
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayProcess]:
+    with running_sims([{"max_model_len": 8192, "extra_args": ["--max-num-seqs", "4"]}]) as sims:
+        gw = start_gateway({
+            "model": MODEL,
+            "pools": [{"name": "p", "max_model_len": 8192, "endpoints": [sims[0].url]}],
+            "server": {"health_interval_s": 0.1},
+            "traffic": {
+                "pool_classes": {"p": "chat"},
+                "saturation": {"max_waiting": 1},
+                "classes": {
+                    "chat": {"priority": 0, "max_concurrency": 32, "queue_length": 64, "max_queue_wait_s": 60,
+                             "ttft_target_s": 30},
+                    "batch": {"priority": 9, "background": True, "max_concurrency": 8, "queue_length": 64,
+                              "max_queue_wait_s": 60, "max_pauses": 2},
+                },
+            },
+        })
+        try:
+            yield gw
+        finally:
+            gw.stop()
+
+
+def _pool(gw: GatewayProcess) -> dict[str, Any]:
+    return httpx.get(gw.url + "/admin/traffic", timeout=5).json()["pools"].get("p", {})
+
+
+def _lane(gw: GatewayProcess) -> dict[str, Any]:
+    return _pool(gw).get("background", {}).get("batch", {})
+
+
+def _stream(client: openai.OpenAI, tokens: int, headers: dict[str, str] | None = None) -> str:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go on"}], max_tokens=tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking_mode": "disabled"}},
+        extra_headers=headers)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _in_threads(n: int, fn: Callable[[], str]) -> tuple[list[threading.Thread], list[str]]:
+    out: list[str] = []
+
+    def run() -> None:
+        out.append(fn())
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def _watch(gw: GatewayProcess, threads: list[threading.Thread], seen: list[dict[str, Any]]) -> None:
+    while any(t.is_alive() for t in threads):
+        lane = _lane(gw)
+        if lane:
+            seen.append(lane)
+        time.sleep(0.02)
+
+
+def test_background_fills_spare_capacity_within_its_window(gateway: GatewayProcess) -> None:
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
+    threads, answers = _in_threads(10, lambda: _stream(client, 24, BATCH))
+    seen: list[dict[str, Any]] = []
+    _watch(gateway, threads, seen)
+    assert len(answers) == 10 and all(answers)
+    # the window starts at one and grows by one per increase (a cut lets running requests end): never more in flight
+    assert all(sample["in_flight"] <= 1 + sample["increases"] for sample in seen)
+    assert max(s["window"] for s in seen) >= 3  # it grew from one on an idle pool: the spare capacity is used
+    lane = _lane(gateway)
+    assert lane["increases"] >= 2
+    metrics = httpx.get(gateway.url + "/metrics", timeout=5).text
+    assert f'm3gate_background_window{{class="batch",pool="p"}} {float(lane["window"])}' in metrics
+    pools = httpx.get(gateway.url + "/ui/state", timeout=5).json()["pools"]  # the status page's data
+    assert [p["background"] for p in pools if p["name"] == "p"] == [
+        [{"class": "batch", "window": lane["window"], "in_flight": 0, "paused": 0}]]
+
+
+def test_a_foreground_burst_shrinks_the_window_and_is_served(gateway: GatewayProcess) -> None:
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
+    warm, _ = _in_threads(6, lambda: _stream(client, 16, BATCH))  # grow the window first
+    for t in warm:
+        t.join(60)
+    before = _lane(gateway)
+    assert before["window"] >= 2  # AIMD: it may have been cut since, never below what a halving can show
+    background, bg_answers = _in_threads(4, lambda: _stream(client, 200, BATCH))
+    deadline = time.monotonic() + 10
+    while _lane(gateway)["in_flight"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    burst, answers = _in_threads(8, lambda: _stream(client, 48))  # more than the replica runs at once: it saturates
+    deadline = time.monotonic() + 20
+    while _lane(gateway)["decreases"] <= before["decreases"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _lane(gateway)["decreases"] > before["decreases"]
+    assert _lane(gateway)["window"] < before["window"]
+    for t in burst + background:
+        t.join(60)
+    assert len(answers) == 8 and all(answers)  # the foreground was served
+    assert len(bg_answers) == 4 and all(bg_answers)  # and the background finished, late
+
+
+PAUSED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/chat/completions", {"messages": [{"role": "user", "content": "a long answer, please"}],
+                                   "chat_template_kwargs": {"thinking_mode": "disabled"}}),
+    "chat_reasoning": ("/chat/completions", {"messages": [{"role": "user", "content": "think, then answer"}],
+                                             "chat_template_kwargs": {"thinking_mode": "enabled"}}),
+    "completions": ("/completions", {"prompt": "Once upon a time"}),
+}
+
+
+def _greedy(gw: GatewayProcess, case: str, headers: dict[str, str]) -> dict[str, Any]:
+    """One greedy background stream, put together from its raw events."""
+    path, body = PAUSED_CASES[case]
+    wire = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 100, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", gw.base_url + path, json=wire, headers=headers, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        raw = resp.read().decode()
+    out: dict[str, Any] = {"reasoning": "", "content": "", "text": "", "ids": set(), "finishes": [], "usage": None,
+                           "errors": 0, "done": 0}
+    for event in raw.split("\n\n"):
+        if not event.strip():
+            continue
+        data = event.removeprefix("data: ")
+        if data == "[DONE]":
+            out["done"] += 1
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            out["errors"] += 1
+            continue
+        out["ids"].add(chunk["id"])
+        usage = chunk.get("usage")
+        if usage:  # a resumed stream's usage is counted by the gateway (no cache or reasoning details)
+            out["usage"] = (usage["prompt_tokens"], usage["completion_tokens"])
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            out["reasoning"] += delta.get("reasoning") or ""
+            out["content"] += delta.get("content") or ""
+            out["text"] += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                out["finishes"].append(choice["finish_reason"])
+    out["ids"] = len(out["ids"])
+    return out
+
+
+def _pauses(gw: GatewayProcess) -> float:
+    for line in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith('m3gate_stream_pauses_total{class="batch",pool="p"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: GatewayProcess) -> None:
+    before = _pauses(gateway)
+    alone = {case: _greedy(gateway, case, BATCH) for case in PAUSED_CASES}  # an idle pool: nothing pauses them
+    assert _pauses(gateway) == before
+    for answer in alone.values():
+        assert answer["errors"] == 0 and answer["done"] == 1 and answer["finishes"] == ["length"]
+        assert answer["usage"][1] == 100
+    assert alone["chat_reasoning"]["reasoning"] and alone["chat"]["content"] and alone["completions"]["text"]
+    while _lane(gateway)["window"] < 3:  # room for the three at once
+        warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
+        for t in warm:
+            t.join(30)
+    out: dict[str, dict[str, Any]] = {}
+    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _greedy(gateway, c, BATCH)))
+               for case in PAUSED_CASES]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while _lane(gateway)["in_flight"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
+    burst, answers = _in_threads(8, lambda: _stream(client, 24))  # the replica saturates (vLLM's queue) ...
+    deadline = time.monotonic() + 10
+    while not _pool(gateway).get("saturated") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    more, more_answers = _in_threads(6, lambda: _stream(client, 24))  # ... and these wait in the gateway's
+    for t in burst + more + threads:
+        t.join(60)
+    assert len(answers) == 8 and all(answers) and len(more_answers) == 6 and all(more_answers)
+    paused = _pauses(gateway)
+    assert 1 <= paused - before <= 2 * len(PAUSED_CASES)  # paused, at most max_pauses times each
+    assert httpx.get(gateway.url + "/admin/traffic", timeout=5).json()["counters"]["paused"] == paused
+    assert out == alone  # token for token: nothing repeated, lost or altered, no error, one id, one [DONE]
