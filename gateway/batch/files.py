@@ -1,0 +1,83 @@
+"""The Batch API's files on disk: input lines read where the store says they are, output and error files written
+from the stored results page by page (bounded memory for any job size), fsynced, then renamed into place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from gateway.batch.store import BatchStore, Job
+from policies.batch import EXPIRED_MESSAGE, failed_line
+
+_EXPORT_PAGE = 1000
+
+
+def read_lines(path: Path, pos: int, limit: int) -> list[tuple[int, bytes]]:
+    """Up to `limit` lines from byte `pos` on: (start offset, the line with its newline)."""
+    out = []
+    with open(path, "rb") as f:
+        f.seek(pos)
+        for _ in range(limit):
+            raw = f.readline()
+            if not raw:
+                break
+            out.append((pos, raw))
+            pos += len(raw)
+    return out
+
+
+def read_at(path: Path, pos: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(pos)
+        return f.read(length)
+
+
+def file_object(file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
+    """A file as OpenAI shows it."""
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+
+
+async def write_outputs(store: BatchStore, job: Job, folder: Path, expired: bool) -> tuple[str | None, str | None, int]:
+    """(output file id, error file id, lines marked `batch_expired`). A file with no line is not created. The ids
+    follow from the batch's, so a finalization cut short and run again replaces the same files."""
+    paths = {kind: folder / f"file-{job.id}-{kind}.jsonl" for kind in ("output", "error")}
+    handles = {kind: open(str(p) + ".tmp", "wb") for kind, p in paths.items()}  # noqa: SIM115 - closed below
+    counts, expired_n, after = {"output": 0, "error": 0}, 0, 0
+    try:
+        while page := await store.export_page(job.id, after, _EXPORT_PAGE):
+            after = page[-1].line_no
+            for row in page:
+                if row.line is not None:
+                    kind = "output" if row.ok else "error"
+                    await asyncio.to_thread(handles[kind].write, row.line + b"\n")
+                elif expired:
+                    kind, expired_n = "error", expired_n + 1
+                    line = failed_line(f"batch_req_{job.id}_{row.line_no}", row.custom_id, "batch_expired",
+                                       EXPIRED_MESSAGE)
+                    await asyncio.to_thread(handles[kind].write, line + b"\n")
+                else:
+                    continue
+                counts[kind] += 1
+    finally:
+        for f in handles.values():
+            await asyncio.to_thread(_close_synced, f)
+    ids = {kind: await _publish(store, job, kind, paths[kind]) if counts[kind] else None for kind in paths}
+    return ids["output"], ids["error"], expired_n
+
+
+def _close_synced(f: IO[bytes]) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+async def _publish(store: BatchStore, job: Job, kind: str, path: Path) -> str:
+    os.replace(str(path) + ".tmp", path)
+    file_id = path.stem
+    obj = file_object(file_id, path.stat().st_size, f"batch_{job.id}_{kind}.jsonl", "batch_output")
+    await store.add_file(obj, job.owner, str(path))
+    return file_id

@@ -1,0 +1,321 @@
+"""The Batch API's runner: a background task of each gateway that leases jobs from the store and moves them along
+validating → in_progress → finalizing → completed (or failed / expired / cancelled).
+
+Each line runs through the gateway's own request path in-process (`Coordinator.serve` on an ASGI scope built here,
+no HTTP to itself): the same admission, class queue, routing and telemetry as an online request, as the job's owner
+(`IN_PROCESS_CLIENT`: its key's pools and token limits) in the `batch.class` traffic class. A line refused for
+capacity (429, 503) is run again later, never written as a failure.
+
+Order: jobs by earliest deadline first; within a job, lines by prefix group (policies/batch.py), so a group's
+shared prefix stays cached on the replica that serves it. Cancel stops dispatching at once and lets the lines in
+flight finish; so does the end of the completion window, whose unfinished lines get `batch_expired` errors.
+
+Restart: a result is stored before its line counts as done; lines in flight at a kill have none and run again when
+the job's lease is taken over (`batch.lease_s`). Output files are written at the end from the stored results, one
+line per custom_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.access import ANONYMOUS, IN_PROCESS_CLIENT, Client
+from gateway.batch.files import read_at, read_lines, write_outputs
+from gateway.batch.store import BatchStore, Job, PendingLine
+from gateway.batch.telemetry import BatchMetrics
+from gateway.coordinator import Coordinator
+from gateway.runtime import Gateway
+from policies.batch import (
+    MAX_LINE_ERRORS,
+    RETRY_STATUSES,
+    JobDeadline,
+    LineError,
+    check_line,
+    dispatch_order,
+    duplicate_error,
+    output_line,
+)
+from policies.traffic import CLASS_HEADER
+
+log = logging.getLogger("m3gate.batch")
+
+APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+RETRY_AFTER_S = 1.0
+_VALIDATE_CHUNK = 2000  # lines read and stored per step while validating
+
+
+class BatchRunner:
+    """Runs the jobs this gateway holds leases on; also owns the store and the files folder the API uses."""
+
+    def __init__(self, gateway: Gateway, coordinator: Coordinator) -> None:
+        self.gw = gateway
+        self.coordinator = coordinator
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.files_dir = Path()
+        self.store: BatchStore | None = None
+        self.metrics = BatchMetrics()
+        self._temp: str | None = None
+        self._busy: dict[str, set[int]] = {}  # batch id → line numbers in flight here
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # lifecycle -------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.gw.config.batch
+        if cfg.files_dir:
+            self.files_dir = Path(cfg.files_dir)
+        else:  # ephemeral: removed at stop
+            self._temp = tempfile.mkdtemp(prefix="m3gate-batch-")
+            self.files_dir = Path(self._temp)
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.store = open_store(cfg.store, self.files_dir)
+        await self.store.open()
+        if self.gw.telemetry.metrics is not None:
+            self.gw.telemetry.metrics.registry.register(self.metrics)
+        self._loop_task = asyncio.create_task(self._run(), name="m3gate-batch-runner")
+
+    async def stop(self) -> None:
+        """Stops dispatching and cuts the lines in flight (they have no result: they run again later), then gives
+        the leases back so that a restarted gateway takes the jobs over at once."""
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.release(self.holder)
+            await self.store.close()
+        if self._temp:
+            shutil.rmtree(self._temp, ignore_errors=True)
+
+    def wake(self) -> None:
+        """Look for work now (a batch was created or cancelled, a line finished)."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # a store hiccup must not end the runner
+                log.exception("batch runner step failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.gw.config.batch.poll_interval_s)
+
+    async def tick(self) -> None:
+        store = self._store()
+        cfg = self.gw.config.batch
+        jobs = {job.id: job for job in await store.claim(self.holder, time.time(), cfg.lease_s)}  # renews ours
+        self.metrics.jobs = await store.counts_by_status()
+        for batch_id in dispatch_order(JobDeadline(job.id, job.expires_at) for job in jobs.values()):
+            await self._advance(jobs[batch_id], time.time())
+
+    def _store(self) -> BatchStore:
+        assert self.store is not None, "batch runner not started"
+        return self.store
+
+    # a job's steps ---------------------------------------------------------------------------------------------
+    async def _advance(self, job: Job, now: float) -> None:
+        busy = self._busy.get(job.id)
+        if job.status == "validating":
+            await self._validate(job)
+        elif job.status == "in_progress" and now < job.expires_at:
+            await self._dispatch(job)
+        elif job.status == "finalizing":
+            await self._finish(job, "completed")
+        elif not busy:  # cancelling, or past its window: once its lines in flight are done
+            await self._finish(job, "cancelled" if job.status == "cancelling" else "expired")
+
+    async def _validate(self, job: Job) -> None:
+        """Reads the input file in chunks, checks every line, stores the valid ones with their prefix group; any
+        error fails the batch with up to MAX_LINE_ERRORS of them (OpenAI's `errors` list)."""
+        path = await self._input_path(job)
+        errors = [LineError(0, "file_not_found", "The input file was deleted.")] if path is None else []
+        seen: set[str] = set()  # bounded by batch.max_requests
+        pos, line_no = 0, 0
+        gw = self.gw
+        while path is not None and len(errors) < MAX_LINE_ERRORS:
+            chunk = await asyncio.to_thread(read_lines, path, pos, _VALIDATE_CHUNK)
+            if not chunk:
+                break
+            rows = []
+            for start, raw in chunk:
+                pos = start + len(raw)
+                if not raw.strip():
+                    continue
+                line_no += 1
+                checked = check_line(line_no, raw.rstrip(b"\r\n"), job.obj["endpoint"], gw.served_models,
+                                     gw.config.server.max_body_bytes)
+                if not isinstance(checked, LineError) and checked.custom_id in seen:
+                    checked = duplicate_error(line_no, checked.custom_id)
+                if isinstance(checked, LineError):
+                    errors.append(checked)
+                    continue
+                seen.add(checked.custom_id)
+                rows.append((line_no, checked.custom_id, checked.group, start, len(raw)))
+            if not errors:
+                await self._store().add_lines(job.id, rows)
+        await self._validated(job, errors, line_no)
+
+    async def _validated(self, job: Job, errors: list[LineError], lines: int) -> None:
+        store, now = self._store(), int(time.time())
+        if not errors and not lines:
+            errors = [LineError(0, "empty_file", "The input file has no requests.")]
+        if errors:
+            data = [e.to_openai() for e in errors[:MAX_LINE_ERRORS]]
+            await store.update_batch(job.id, {"status": "failed", "failed_at": now,
+                                              "errors": {"object": "list", "data": data}})
+            await store.forget_lines(job.id)
+            return
+        await store.set_total(job.id, lines)
+        await store.update_batch(job.id, {"status": "in_progress", "in_progress_at": now},
+                                 only_from=("validating",))
+
+    async def _dispatch(self, job: Job) -> None:
+        """Fills this gateway's free slots (batch.max_in_flight) with the job's next lines; a job with nothing
+        left to run moves to finalizing."""
+        busy = self._busy.setdefault(job.id, set())
+        free = self.gw.config.batch.max_in_flight - sum(len(b) for b in self._busy.values())
+        rows = await self._store().pending(job.id, max(free, 0) + len(busy))
+        if not rows and not busy:
+            self._busy.pop(job.id, None)
+            await self._store().update_batch(job.id, {"status": "finalizing", "finalizing_at": int(time.time())},
+                                             only_from=("in_progress",))
+            self.wake()
+            return
+        path = await self._input_path(job)
+        for line in [r for r in rows if r.line_no not in busy][:max(free, 0)]:
+            busy.add(line.line_no)
+            task = asyncio.create_task(self._run_line(job, line, path))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_line(self, job: Job, line: PendingLine, path: Path | None) -> None:
+        try:
+            if path is None:
+                raise FileNotFoundError(job.obj["input_file_id"])
+            item = orjson.loads(await asyncio.to_thread(read_at, path, line.pos, line.length))
+            status, request_id, body = await self.call(job.owner, job.obj["endpoint"], item["body"])
+            if status in RETRY_STATUSES:  # no capacity now: the line stays pending
+                await asyncio.sleep(RETRY_AFTER_S)
+                return
+            ok = 200 <= status < 300
+            out = output_line(f"batch_req_{uuid.uuid4().hex}", line.custom_id, status, request_id, body)
+            if await self._store().record_result(job.id, line.line_no, line.custom_id, ok, out):
+                self.metrics.requests_done("completed" if ok else "failed")
+        except Exception:  # the store or the file failed: the line stays pending and runs again
+            log.exception("batch %s line %d failed to run", job.id, line.line_no)
+            await asyncio.sleep(RETRY_AFTER_S)
+        finally:
+            self._busy.get(job.id, set()).discard(line.line_no)
+            self.wake()
+
+    async def _finish(self, job: Job, final: str) -> None:
+        """Writes the output and error files from the stored results (expired: the lines left get
+        `batch_expired`), then the final status."""
+        store, now = self._store(), int(time.time())
+        out_id, err_id, expired = await write_outputs(store, job, self.files_dir, final == "expired")
+        self.metrics.requests_done("expired", expired)
+        await store.update_batch(job.id, {"status": final, f"{final}_at": now, "output_file_id": out_id,
+                                          "error_file_id": err_id, **({"finalizing_at": job.obj.get(
+                                              "finalizing_at") or now} if final == "completed" else {})},
+                                 only_from=(job.status,), failed_extra=expired)
+        await store.forget_lines(job.id)
+        self._busy.pop(job.id, None)
+
+    async def _input_path(self, job: Job) -> Path | None:
+        found = await self._store().get_file(job.obj["input_file_id"], None)
+        return Path(found[1]) if found else None
+
+    # one line through the gateway's own request path ----------------------------------------------------------
+    async def call(self, owner: str, path: str, body: Any) -> tuple[int, str, Any]:
+        """(status, request id, body) of one request served in-process as `owner` in the batch class."""
+        client = self._client(owner)
+        if client is None:
+            error = {"message": f"The API key '{owner}' that created this batch no longer exists.",
+                     "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+            return 401, "", {"error": error}
+        payload = orjson.dumps(body)
+        scope = _scope(path, payload, self.gw.config.batch.class_, client)
+        response = await self.coordinator.serve(Request(scope, _receive(payload)), APIS[path])
+        status, headers, content = await _collect(response, scope)
+        try:
+            answer = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            answer = content.decode("utf-8", "replace")
+        request_id = headers.get("x-request-id") or (answer.get("id") if isinstance(answer, dict) else None)
+        return status, str(request_id or uuid.uuid4().hex), answer
+
+    def _client(self, owner: str) -> Client | None:
+        """The job owner's key, allowed the batch class; None when the key is gone. An open gateway: anyone."""
+        keys = self.gw.traffic.keys
+        if keys.open:
+            return ANONYMOUS
+        key = keys.by_name(owner)
+        if key is None:
+            return None
+        cls = self.gw.config.batch.class_
+        return Client(key.model_copy(update={"allowed_classes": [*key.allowed_classes, cls]}))
+
+
+def open_store(url: str | None, files_dir: Path) -> BatchStore:
+    """The store `batch.store` names (unset: SQLite in the files folder)."""
+    if url is None:
+        return BatchStore(files_dir / "batch.sqlite3")
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return BatchStore(path)
+    raise ValueError(f"batch.store {url.split('://')[0]}:// is not supported by this build; use sqlite:///PATH")
+
+
+def _scope(path: str, payload: bytes, cls: str, client: Client) -> dict[str, Any]:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               (CLASS_HEADER.encode(), cls.encode())]
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0), "state": {}, IN_PROCESS_CLIENT: client}
+
+
+def _receive(payload: bytes) -> Any:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # the "client" never leaves: waits until cancelled
+        return {"type": "http.disconnect"}
+    return receive
+
+
+async def _collect(response: Response, scope: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    """Runs the response into memory: one answer's status, headers and body."""
+    status, headers, chunks = 0, {}, []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            headers.update((k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await response(scope, _receive(b""), send)
+    return status, headers, b"".join(chunks)
