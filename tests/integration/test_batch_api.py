@@ -40,6 +40,7 @@ def _config(sim: SimProcess, batch: dict[str, Any]) -> dict[str, Any]:
         "access": {"keys": [{"name": "alice", "key_sha256": _sha(ALICE)}, {"name": "bob", "key_sha256": _sha(BOB)}]},
         "admin": {"api_key": ADMIN},
         "batch": {"max_file_bytes": MAX_FILE, "max_requests": MAX_REQUESTS, "lease_s": 1.0,
+                  "completion_windows": ["24h", "2s"],
                   "poll_interval_s": 0.1, **batch},
     }
 
@@ -197,6 +198,20 @@ def test_cancel_stops_dispatching_and_keeps_partial_output(gateway: GatewayProce
             completion_window="24h").id, {"completed"}).id)
 
 
+def test_past_its_window_a_job_expires_with_batch_expired_for_the_rest(gateway: GatewayProcess) -> None:
+    alice = _client(gateway, ALICE)
+    lines = [{**_line(i), "body": {**_line(i)["body"], "max_tokens": 200}} for i in range(120)]
+    batch = alice.batches.create(input_file_id=_upload(alice, _jsonl(lines)), endpoint="/v1/chat/completions",
+                                 completion_window="2s")
+    expired = _wait(alice, batch.id, {"expired", "completed"})
+    assert expired.status == "expired" and expired.expired_at
+    done, missed = _records(alice, expired.output_file_id), _records(alice, expired.error_file_id)
+    assert missed and all(r["error"]["code"] == "batch_expired" and r["response"] is None for r in missed)
+    assert sorted(r["custom_id"] for r in done + missed) == sorted(f"req-{i}" for i in range(120))
+    counts = expired.request_counts
+    assert (counts.completed, counts.failed) == (len(done), len(missed))
+
+
 def test_metrics_and_files_listing(gateway: GatewayProcess) -> None:
     alice = _client(gateway, ALICE)
     assert any(f.purpose == "batch" for f in alice.files.list().data)
@@ -207,6 +222,7 @@ def test_metrics_and_files_listing(gateway: GatewayProcess) -> None:
     text = httpx.get(gateway.url + "/metrics", timeout=5).text
     assert 'm3gate_batch_requests_total{status="completed"}' in text
     assert 'm3gate_batch_jobs{status="completed"}' in text
+    assert 'm3gate_batch_requests_total{status="expired"}' in text
 
 
 def test_sigkill_mid_job_then_restart_runs_every_custom_id_once(sim: SimProcess, tmp_path: Path) -> None:
