@@ -1,13 +1,15 @@
-"""The Batch API's store of record: files, batches, each job's lines and each line's result, in SQLite.
+"""The Batch API's store of record: files, batches, each job's lines and each line's result, in SQLite (one gateway)
+or PostgreSQL (gateways sharing the jobs).
 
-The stdlib `sqlite3` runs in a worker thread (`asyncio.to_thread`), one connection behind a lock: aiosqlite does the
-same (a thread per connection) with one more dependency. WAL mode, `synchronous=FULL`: a result is on disk before
+SQLite is the stdlib `sqlite3`, PostgreSQL is psycopg 3; both are called from a worker thread (`asyncio.to_thread`)
+over one connection behind a lock. aiosqlite would do the same (a thread per connection) with one more dependency,
+and one code path serves both databases. SQLite runs in WAL mode with `synchronous=FULL`: a result is on disk before
 the line counts as done, so a gateway killed at any point loses only the lines in flight (run again after restart).
 
 Exactly once: a result row's key is (batch, custom_id), inserted with ON CONFLICT DO NOTHING in the same transaction
 that marks the line done and counts it; a line run twice (after a restart) keeps its first result. Leases: a job is
-worked on by the gateway whose lease on it is current; a gateway that stops renewing loses it after `lease_s`.
-Bounded memory: lines and results are read in pages, never a whole job at once.
+worked on by the gateway whose lease on it is current (rows claimed with FOR UPDATE SKIP LOCKED on PostgreSQL); a
+gateway that stops renewing loses it after `lease_s`. Bounded memory: lines and results are read in pages.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import orjson
@@ -28,23 +29,80 @@ SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS m3gate_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batch_files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL, purpose TEXT NOT NULL,
-    obj TEXT NOT NULL, path TEXT NOT NULL);
+    seq {serial}, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL, purpose TEXT NOT NULL, obj TEXT NOT NULL,
+    path TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batch_jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL, status TEXT NOT NULL,
-    obj TEXT NOT NULL, expires_at REAL NOT NULL, lease_owner TEXT, lease_until REAL NOT NULL DEFAULT 0,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
+    seq {serial}, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL, status TEXT NOT NULL, obj TEXT NOT NULL,
+    expires_at {real} NOT NULL, lease_owner TEXT, lease_until {real} NOT NULL DEFAULT 0,
+    total BIGINT NOT NULL DEFAULT 0, completed BIGINT NOT NULL DEFAULT 0, failed BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS batch_jobs_status ON batch_jobs (status);
 CREATE TABLE IF NOT EXISTS batch_lines (
-    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL, grp TEXT NOT NULL,
-    pos INTEGER NOT NULL, length INTEGER NOT NULL, done INTEGER NOT NULL DEFAULT 0,
+    batch_id TEXT NOT NULL, line_no BIGINT NOT NULL, custom_id TEXT NOT NULL, grp TEXT NOT NULL,
+    pos BIGINT NOT NULL, length BIGINT NOT NULL, done SMALLINT NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, line_no));
 CREATE INDEX IF NOT EXISTS batch_lines_pending ON batch_lines (batch_id, done, grp, line_no);
 CREATE TABLE IF NOT EXISTS batch_results (
-    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, line_no INTEGER NOT NULL, ok INTEGER NOT NULL,
-    line BLOB NOT NULL, PRIMARY KEY (batch_id, custom_id));
-CREATE INDEX IF NOT EXISTS batch_results_order ON batch_results (batch_id, line_no);
+    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, line_no BIGINT NOT NULL, ok SMALLINT NOT NULL,
+    line {blob} NOT NULL, PRIMARY KEY (batch_id, custom_id));
+CREATE INDEX IF NOT EXISTS batch_results_order ON batch_results (batch_id, line_no)
 """
+
+
+class Db:
+    """One connection to SQLite or PostgreSQL, spoken to in one SQL: `?` placeholders (PostgreSQL's `%s` is
+    substituted), ON CONFLICT, and `{lock}` where a row lock belongs (PostgreSQL: FOR UPDATE SKIP LOCKED, so two
+    gateways claiming at once never wait for each other; SQLite has one writer at a time and needs none)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.postgres = url.startswith(("postgresql://", "postgres://"))
+        self._conn: Any = None
+
+    def connect(self) -> None:
+        if self.postgres:
+            import psycopg  # only a PostgreSQL store needs the driver
+
+            self._conn = psycopg.connect(self.url, autocommit=True)
+            self.execute("BEGIN")
+            self.execute("SELECT pg_advisory_xact_lock(4242001)")  # gateways starting together migrate in turn
+            self._schema("BIGSERIAL PRIMARY KEY", "DOUBLE PRECISION", "BYTEA")
+            self.execute("COMMIT")
+        else:
+            path = self.url.removeprefix("sqlite:///")
+            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._schema("INTEGER PRIMARY KEY AUTOINCREMENT", "REAL", "BLOB")
+
+    def _schema(self, serial: str, real: str, blob: str) -> None:
+        for statement in _SCHEMA.format(serial=serial, real=real, blob=blob).split(";"):
+            self.execute(statement)
+        row = self.execute("SELECT value FROM m3gate_meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            self.execute("INSERT INTO m3gate_meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) > SCHEMA_VERSION:
+            raise RuntimeError(f"the batch store has schema {row[0]}; this m3gate knows {SCHEMA_VERSION}")
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        return self._conn.execute(self._sql(sql), tuple(params))
+
+    def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        if self.postgres:
+            with self._conn.cursor() as cur:
+                cur.executemany(self._sql(sql), rows)
+        else:
+            self._conn.executemany(self._sql(sql), rows)
+
+    def begin(self) -> None:
+        self.execute("BEGIN" if self.postgres else "BEGIN IMMEDIATE")  # SQLite: the write lock at once
+
+    def _sql(self, sql: str) -> str:
+        sql = sql.replace("{lock}", " FOR UPDATE SKIP LOCKED" if self.postgres else "")
+        return sql.replace("?", "%s") if self.postgres else sql
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
 
 
 class PendingLine(NamedTuple):
@@ -72,27 +130,19 @@ class ExportRow(NamedTuple):
 
 
 class BatchStore:
-    """SQLite at `path`; every method is a coroutine that runs its SQL in a worker thread."""
+    """The store at `url` (sqlite:///PATH or postgresql://...); every method is a coroutine that runs its SQL in a
+    worker thread, one call at a time."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self._db: sqlite3.Connection | None = None
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._db: Db | None = None
         self._lock = threading.Lock()
 
     # lifecycle -------------------------------------------------------------------------------------------------
     async def open(self) -> None:
-        await asyncio.to_thread(self._open)
-
-    def _open(self) -> None:
-        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(_SCHEMA)
-        row = db.execute("SELECT value FROM m3gate_meta WHERE key = 'schema_version'").fetchone()
-        if row is None:
-            db.execute("INSERT INTO m3gate_meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) > SCHEMA_VERSION:
-            raise RuntimeError(f"batch store {self.path} has schema {row[0]}; this m3gate knows {SCHEMA_VERSION}")
+        """Connects, creates or migrates the schema."""
+        db = Db(self.url)
+        await asyncio.to_thread(db.connect)
         self._db = db
 
     async def close(self) -> None:
@@ -100,17 +150,17 @@ class BatchStore:
             db, self._db = self._db, None
             await asyncio.to_thread(db.close)
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _run(self, fn: Callable[[Db], T]) -> T:
         def locked() -> T:
             assert self._db is not None, "batch store not open"
             with self._lock:
                 return fn(self._db)
         return await asyncio.to_thread(locked)
 
-    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """`fn` in one transaction (BEGIN IMMEDIATE: the write lock is taken at once, no upgrade deadlock)."""
-        def tx(db: sqlite3.Connection) -> T:
-            db.execute("BEGIN IMMEDIATE")
+    async def _write(self, fn: Callable[[Db], T]) -> T:
+        """`fn` in one transaction."""
+        def tx(db: Db) -> T:
+            db.begin()
             try:
                 out = fn(db)
             except BaseException:
@@ -169,7 +219,7 @@ class BatchStore:
         new object, or None when nothing changed."""
         allowed = tuple(only_from)
 
-        def update(db: sqlite3.Connection) -> dict[str, Any] | None:
+        def update(db: Db) -> dict[str, Any] | None:
             row = db.execute(f"SELECT {_BATCH_COLUMNS} FROM batch_jobs WHERE id = ?", (batch_id,)).fetchone()
             if row is None or (allowed and row[1] not in allowed):
                 return None
@@ -191,10 +241,10 @@ class BatchStore:
         now held, earliest deadline first."""
         marks = ", ".join("?" * len(ACTIVE_STATUSES))
 
-        def claim(db: sqlite3.Connection) -> list[Job]:
-            db.execute(f"UPDATE batch_jobs SET lease_owner = ?, lease_until = ? WHERE status IN ({marks}) AND "
-                       "(lease_owner IS NULL OR lease_owner = ? OR lease_until < ?)",
-                       (holder, now + lease_s, *ACTIVE_STATUSES, holder, now))
+        def claim(db: Db) -> list[Job]:
+            db.execute(f"UPDATE batch_jobs SET lease_owner = ?, lease_until = ? WHERE id IN (SELECT id FROM batch_jobs "
+                       f"WHERE status IN ({marks}) AND (lease_owner IS NULL OR lease_owner = ? OR lease_until < ?)"
+                       "{lock})", (holder, now + lease_s, *ACTIVE_STATUSES, holder, now))
             rows = db.execute(f"SELECT id, owner, status, expires_at, obj FROM batch_jobs WHERE lease_owner = ? "
                               f"AND status IN ({marks}) ORDER BY expires_at, id", (holder, *ACTIVE_STATUSES))
             return [Job(r[0], r[1], r[2], r[3], orjson.loads(r[4])) for r in rows.fetchall()]
@@ -224,7 +274,7 @@ class BatchStore:
 
     async def record_result(self, batch_id: str, line_no: int, custom_id: str, ok: bool, line: bytes) -> bool:
         """The line's result, durably and at most once; False when it already had one."""
-        def record(db: sqlite3.Connection) -> bool:
+        def record(db: Db) -> bool:
             cur = db.execute("INSERT INTO batch_results (batch_id, custom_id, line_no, ok, line) VALUES (?, ?, ?, ?, ?) "
                              "ON CONFLICT DO NOTHING", (batch_id, custom_id, line_no, int(ok), line))
             if cur.rowcount != 1:
@@ -246,7 +296,7 @@ class BatchStore:
 
     async def forget_lines(self, batch_id: str) -> None:
         """A finished job's lines and results (its output files hold them now)."""
-        def forget(db: sqlite3.Connection) -> None:
+        def forget(db: Db) -> None:
             db.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
             db.execute("DELETE FROM batch_results WHERE batch_id = ?", (batch_id,))
         await self._write(forget)
@@ -263,7 +313,7 @@ def _batch_object(row: tuple[Any, ...]) -> dict[str, Any]:
     return obj
 
 
-def _page(db: sqlite3.Connection, table: str, owner: str | None, limit: int, after: str | None,
+def _page(db: Db, table: str, owner: str | None, limit: int, after: str | None,
           extra: tuple[str, Any] | None, columns: str = "obj") -> list[tuple[Any, ...]]:
     """Newest first, `limit` rows after the row with id `after` (OpenAI's cursor pagination)."""
     where, args = ["1 = 1"], []

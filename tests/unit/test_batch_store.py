@@ -1,9 +1,13 @@
-"""gateway/batch/store.py on a real SQLite file: a result is kept once per custom_id and counted once, leases pass
+"""gateway/batch/store.py on a real SQLite file and a real PostgreSQL database (127.0.0.1:5432, database `test`, a
+schema of its own per test; skipped where none answers): a result is kept once per custom_id and counted once, leases pass
 to another holder only when they run out, pending lines come in prefix-group order, pages follow OpenAI's cursor,
 and the owner filter hides other keys' objects."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +20,35 @@ def _batch(batch_id: str, status: str = "validating") -> dict[str, Any]:
     return {"id": batch_id, "object": "batch", "status": status, "endpoint": "/v1/chat/completions"}
 
 
-@pytest.fixture
-async def store(tmp_path: Path) -> Any:
-    s = BatchStore(tmp_path / "batch.sqlite3")
-    await s.open()
-    yield s
-    await s.close()
+PG = "postgresql://127.0.0.1:5432/test"
+
+
+@contextmanager
+def pg_schema() -> Iterator[str]:
+    """A store URL whose tables live in a fresh schema, dropped afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    name = f"m3gate_batch_{uuid.uuid4().hex[:12]}"
+    try:
+        with psycopg.connect(PG, autocommit=True, connect_timeout=2) as conn:
+            conn.execute(f"CREATE SCHEMA {name}")
+    except psycopg.OperationalError:
+        pytest.skip("no PostgreSQL at 127.0.0.1:5432")
+    try:
+        yield f"{PG}?options=-csearch_path%3D{name}"
+    finally:
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    with ExitStack() as stack:
+        url = stack.enter_context(pg_schema()) if request.param == "postgresql" else \
+            f"sqlite:///{tmp_path / 'batch.sqlite3'}"
+        s = BatchStore(url)
+        await s.open()
+        yield s
+        await s.close()
 
 
 async def test_a_result_is_kept_and_counted_once(store: BatchStore) -> None:
@@ -38,11 +65,12 @@ async def test_a_result_is_kept_and_counted_once(store: BatchStore) -> None:
 
 
 async def test_the_schema_survives_a_reopen(tmp_path: Path) -> None:
-    first = BatchStore(tmp_path / "s.sqlite3")
+    """Opening an existing store keeps its rows (the schema is created only where missing)."""
+    first = BatchStore(f"sqlite:///{tmp_path / 's.sqlite3'}")
     await first.open()
     await first.add_batch(_batch("b1"), "alice", 100.0)
     await first.close()
-    again = BatchStore(tmp_path / "s.sqlite3")
+    again = BatchStore(f"sqlite:///{tmp_path / 's.sqlite3'}")
     await again.open()
     assert (await again.get_batch("b1", "alice") or {})["id"] == "b1"
     await again.close()
