@@ -1,6 +1,6 @@
 """The Batch API through a real gateway process in front of a simulated replica, with the official OpenAI SDK as the
-client: upload, create, poll, download, list, cancel, access by key, validation errors, 413s, metrics; and a gateway
-SIGKILLed in the middle of a job, restarted on the same SQLite store, that finishes it with every custom_id once."""
+client: upload, create, poll, download, list, cancel, expiry, access by key, validation errors, 413s, metrics. The
+restart and takeover cases are tests/integration/test_batch_restart.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import io
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +23,6 @@ ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-0123456789", "admin-secret-01
 MAX_BODY = 64 * 1024
 MAX_FILE = 512 * 1024
 MAX_REQUESTS = 300
-N_KILL = 80
 SYSTEMS = ["You are a careful reviewer.", "You translate to French."]
 
 
@@ -223,31 +221,3 @@ def test_metrics_and_files_listing(gateway: GatewayProcess) -> None:
     assert 'm3gate_batch_requests_total{status="completed"}' in text
     assert 'm3gate_batch_jobs{status="completed"}' in text
     assert 'm3gate_batch_requests_total{status="expired"}' in text
-
-
-def test_sigkill_mid_job_then_restart_runs_every_custom_id_once(sim: SimProcess, tmp_path: Path) -> None:
-    config = _config(sim, {"store": f"sqlite:///{tmp_path}/store/batch.sqlite3", "files_dir": str(tmp_path / "files"),
-                           "max_in_flight": 4})
-    gw = start_gateway(config)
-    try:
-        alice = _client(gw, ALICE)
-        lines = [{**_line(i), "body": {**_line(i)["body"], "max_tokens": 32}} for i in range(N_KILL)]
-        batch = alice.batches.create(input_file_id=_upload(alice, _jsonl(lines)), endpoint="/v1/chat/completions",
-                                     completion_window="24h")
-        deadline = time.monotonic() + 20
-        while alice.batches.retrieve(batch.id).request_counts.completed < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        gw._proc.kill()  # SIGKILL: lines in flight have no result
-        gw._proc.wait(10)
-    finally:
-        gw.stop()
-    again = start_gateway(config)
-    try:
-        alice = _client(again, ALICE)
-        assert alice.batches.retrieve(batch.id).request_counts.completed < N_KILL  # killed mid-job
-        done = _wait(alice, batch.id, {"completed", "failed"}, timeout=30)
-        assert done.status == "completed" and done.request_counts.completed == N_KILL
-        ids = [r["custom_id"] for r in _records(alice, done.output_file_id)]
-        assert sorted(ids) == sorted(f"req-{i}" for i in range(N_KILL))  # each exactly once
-    finally:
-        again.stop()

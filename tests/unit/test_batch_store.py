@@ -5,39 +5,18 @@ and the owner filter hides other keys' objects."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.batch.store import BatchStore
+from tests.support.postgres import pg_schema
 
 
 def _batch(batch_id: str, status: str = "validating") -> dict[str, Any]:
     return {"id": batch_id, "object": "batch", "status": status, "endpoint": "/v1/chat/completions"}
-
-
-PG = "postgresql://127.0.0.1:5432/test"
-
-
-@contextmanager
-def pg_schema() -> Iterator[str]:
-    """A store URL whose tables live in a fresh schema, dropped afterwards."""
-    psycopg = pytest.importorskip("psycopg")
-    name = f"m3gate_batch_{uuid.uuid4().hex[:12]}"
-    try:
-        with psycopg.connect(PG, autocommit=True, connect_timeout=2) as conn:
-            conn.execute(f"CREATE SCHEMA {name}")
-    except psycopg.OperationalError:
-        pytest.skip("no PostgreSQL at 127.0.0.1:5432")
-    try:
-        yield f"{PG}?options=-csearch_path%3D{name}"
-    finally:
-        with psycopg.connect(PG, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {name} CASCADE")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
