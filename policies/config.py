@@ -785,11 +785,12 @@ class BatchConfig(_Strict):
     store: str | None = Field(
         default=None, pattern=r"^(sqlite:///.+|postgres(ql)?://.+)$",
         description="sqlite:///PATH (one gateway) or postgresql://... (gateways sharing jobs through leases); unset: "
-        "sqlite in files_dir.",
+        "sqlite in files_dir. Read at start.",
     )
     files_dir: str | None = Field(
         default=None, description="Where uploaded and output files are kept (with PostgreSQL: a path every gateway "
-        "mounts); unset: a temporary folder removed when the gateway stops (jobs do not survive a restart).",
+        "mounts); unset: a temporary folder removed when the gateway stops (jobs do not survive a restart). Read at "
+        "start.",
     )
     class_: str = Field(
         default=BATCH_CLASS, alias="class", pattern=_NAME_PATTERN,

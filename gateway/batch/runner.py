@@ -179,7 +179,7 @@ class BatchRunner:
         if errors:
             data = [e.to_openai() for e in errors[:MAX_LINE_ERRORS]]
             await store.update_batch(job.id, {"status": "failed", "failed_at": now,
-                                              "errors": {"object": "list", "data": data}})
+                                              "errors": {"object": "list", "data": data}}, only_from=("validating",))
             await store.forget_lines(job.id)
             return
         await store.set_total(job.id, lines)
