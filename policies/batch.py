@@ -127,6 +127,16 @@ def dispatch_order(jobs: Iterable[JobDeadline]) -> list[str]:
     return [j.batch_id for j in sorted(jobs, key=lambda j: (j.expires_at, j.batch_id))]
 
 
+def finish_estimate(samples: Sequence[tuple[float, int]], total: int) -> tuple[float, float | None]:
+    """(lines per second, predicted finish time) from (time, lines done) samples of one job, oldest first: the rate
+    over the samples, the finish where the lines left end at that rate (None while there is no rate yet)."""
+    if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+        return 0.0, None
+    (t0, done0), (t1, done1) = samples[0], samples[-1]
+    rate = (done1 - done0) / (t1 - t0)
+    return rate, (t1 + (total - done1) / rate) if rate > 0 else None
+
+
 def output_line(request_id: str, custom_id: str, status: int, upstream_request_id: str, body: Any) -> bytes:
     """A line of the output file (a 2xx answer) or of the error file (any other answer), as OpenAI writes both."""
     return orjson.dumps({"id": request_id, "custom_id": custom_id,

@@ -26,6 +26,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from policies.batch import (
     check_line,
     dispatch_order,
     duplicate_error,
+    finish_estimate,
     output_line,
 )
 from policies.traffic import CLASS_HEADER
@@ -56,6 +58,7 @@ log = logging.getLogger("m3gate.batch")
 APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 RETRY_AFTER_S = 1.0
 _VALIDATE_CHUNK = 2000  # lines read and stored per step while validating
+PROGRESS_WINDOW_S = 60.0  # lines per second over this window (the status page's rate and predicted finish)
 
 
 class BatchRunner:
@@ -73,6 +76,8 @@ class BatchRunner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._active: list[tuple[str, dict[str, Any]]] = []  # (owner, batch) of unfinished jobs, at the last tick
+        self._progress: dict[str, deque[tuple[float, int]]] = {}  # batch id → (time, lines done) samples
 
     # lifecycle -------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,8 +127,34 @@ class BatchRunner:
         cfg = self.gw.config.batch
         jobs = {job.id: job for job in await store.claim(self.holder, time.time(), cfg.lease_s)}  # renews ours
         self.metrics.jobs = await store.counts_by_status()
+        await self._sample_progress(store)
         for batch_id in dispatch_order(JobDeadline(job.id, job.expires_at) for job in jobs.values()):
             await self._advance(jobs[batch_id], time.time())
+
+    async def _sample_progress(self, store: BatchStore) -> None:
+        self._active = await store.active_batches()
+        now = time.time()
+        for _, batch in self._active:
+            samples = self._progress.setdefault(batch["id"], deque())
+            counts = batch["request_counts"]
+            samples.append((now, counts["completed"] + counts["failed"]))
+            while len(samples) > 2 and now - samples[0][0] > PROGRESS_WINDOW_S:
+                samples.popleft()
+        live = {batch["id"] for _, batch in self._active}
+        for gone in [b for b in self._progress if b not in live]:
+            del self._progress[gone]
+
+    def view(self) -> list[dict[str, Any]]:
+        """The status page's active jobs: progress, lines per second and the predicted finish against the
+        deadline (across all gateways on the store, as of the last tick)."""
+        out = []
+        for owner, batch in self._active:
+            counts = batch["request_counts"]
+            rate, finish = finish_estimate(list(self._progress.get(batch["id"], ())), counts["total"])
+            out.append({"id": batch["id"], "owner": owner, "status": batch["status"], "endpoint": batch["endpoint"],
+                        **counts, "lines_per_s": round(rate, 2), "predicted_finish": finish,
+                        "expires_at": batch["expires_at"], "created_at": batch["created_at"]})
+        return out
 
     def _store(self) -> BatchStore:
         assert self.store is not None, "batch runner not started"

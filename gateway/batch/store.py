@@ -230,6 +230,14 @@ class BatchStore:
             return _batch_object((obj, status, row[2], row[3], row[4] + failed_extra))
         return await self._write(update)
 
+    async def active_batches(self, limit: int = 50) -> list[tuple[str, dict[str, Any]]]:
+        """(owner, batch) of the unfinished jobs, oldest first: the status page's list."""
+        marks = ", ".join("?" * len(ACTIVE_STATUSES))
+        rows = await self._run(lambda db: db.execute(
+            f"SELECT {_BATCH_COLUMNS}, owner FROM batch_jobs WHERE status IN ({marks}) ORDER BY seq LIMIT ?",
+            (*ACTIVE_STATUSES, limit)).fetchall())
+        return [(r[-1], _batch_object(r)) for r in rows]
+
     async def counts_by_status(self) -> dict[str, int]:
         rows = await self._run(lambda db: db.execute(
             "SELECT status, COUNT(*) FROM batch_jobs GROUP BY status").fetchall())

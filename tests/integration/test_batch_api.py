@@ -183,6 +183,14 @@ def test_cancel_stops_dispatching_and_keeps_partial_output(gateway: GatewayProce
                                  completion_window="24h")
     started = _wait(alice, batch.id, {"in_progress", "completed"})
     assert started.status == "in_progress"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the status page lists it with its progress once the runner has looked
+        jobs = httpx.get(gateway.url + "/ui/state", headers={"authorization": f"Bearer {ADMIN}"}, timeout=5).json()
+        shown = [j for j in jobs["batch"] if j["id"] == batch.id]
+        if shown and shown[0]["total"] == 120:
+            break
+        time.sleep(0.05)
+    assert shown and shown[0]["owner"] == "alice" and shown[0]["expires_at"] == started.expires_at
     assert alice.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     cancelled = _wait(alice, batch.id, {"cancelled"})
     assert cancelled.status == "cancelled" and cancelled.cancelled_at

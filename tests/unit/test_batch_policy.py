@@ -16,6 +16,7 @@ from policies.batch import (
     check_window,
     dispatch_order,
     failed_line,
+    finish_estimate,
     output_line,
     prefix_group,
     window_seconds,
@@ -102,3 +103,11 @@ def test_output_and_error_lines_have_openais_shape() -> None:
     err = json.loads(failed_line("batch_req_2", "b", "batch_expired", "late"))
     assert err == {"id": "batch_req_2", "custom_id": "b", "response": None,
                    "error": {"code": "batch_expired", "message": "late"}}
+
+
+def test_the_predicted_finish_follows_the_recent_rate() -> None:
+    assert finish_estimate([], 100) == (0.0, None)
+    assert finish_estimate([(10.0, 0)], 100) == (0.0, None)
+    rate, finish = finish_estimate([(10.0, 0), (20.0, 50)], 100)
+    assert rate == 5.0 and finish == 30.0
+    assert finish_estimate([(10.0, 5), (20.0, 5)], 100) == (0.0, None)  # stalled: no prediction
