@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gateway.batch.store import BatchStore, Job
-from policies.batch import EXPIRED_MESSAGE, failed_line
+from policies.batch import EXPIRED_MESSAGE, LineError, check_line, duplicate_error, failed_line
 
 _EXPORT_PAGE = 1000
 
@@ -27,6 +27,40 @@ def read_lines(path: Path, pos: int, limit: int) -> list[tuple[int, bytes]]:
             out.append((pos, raw))
             pos += len(raw)
     return out
+
+
+class LineScan:
+    """Validation of one input file, a chunk at a time (each chunk in a worker thread: parsing 50,000 lines must not
+    hold the event loop). Line numbers are the file's, blank lines counted; the custom_ids seen so far are kept to
+    find duplicates (bounded by batch.max_requests)."""
+
+    def __init__(self, endpoint: str, served: frozenset[str], max_body_bytes: int) -> None:
+        self.endpoint, self.served, self.max_body_bytes = endpoint, served, max_body_bytes
+        self.errors: list[LineError] = []
+        self.seen: set[str] = set()
+        self.pos = self.line_no = self.requests = 0
+
+    def next_chunk(self, path: Path, limit: int) -> list[tuple[int, str, str, int, int]] | None:
+        """The valid lines of the next `limit` lines as store rows (line_no, custom_id, group, offset, length);
+        None at the end of the file."""
+        chunk = read_lines(path, self.pos, limit)
+        if not chunk:
+            return None
+        rows = []
+        for start, raw in chunk:
+            self.pos, self.line_no = start + len(raw), self.line_no + 1
+            if not raw.strip():
+                continue
+            self.requests += 1
+            checked = check_line(self.line_no, raw.rstrip(b"\r\n"), self.endpoint, self.served, self.max_body_bytes)
+            if not isinstance(checked, LineError) and checked.custom_id in self.seen:
+                checked = duplicate_error(self.line_no, checked.custom_id)
+            if isinstance(checked, LineError):
+                self.errors.append(checked)
+                continue
+            self.seen.add(checked.custom_id)
+            rows.append((self.line_no, checked.custom_id, checked.group, start, len(raw)))
+        return rows
 
 
 def read_at(path: Path, pos: int, length: int) -> bytes:

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.access import ANONYMOUS, IN_PROCESS_CLIENT, Client
-from gateway.batch.files import read_at, read_lines, write_outputs
+from gateway.batch.files import LineScan, read_at, write_outputs
 from gateway.batch.store import BatchStore, Job, PendingLine
 from gateway.batch.telemetry import BatchMetrics
 from gateway.coordinator import Coordinator
@@ -45,9 +45,7 @@ from policies.batch import (
     RETRY_STATUSES,
     JobDeadline,
     LineError,
-    check_line,
     dispatch_order,
-    duplicate_error,
     finish_estimate,
     output_line,
 )
@@ -173,35 +171,20 @@ class BatchRunner:
             await self._finish(job, "cancelled" if job.status == "cancelling" else "expired")
 
     async def _validate(self, job: Job) -> None:
-        """Reads the input file in chunks, checks every line, stores the valid ones with their prefix group; any
-        error fails the batch with up to MAX_LINE_ERRORS of them (OpenAI's `errors` list)."""
+        """Checks the input file chunk by chunk in a worker thread and stores the valid lines with their prefix
+        group; any error fails the batch with up to MAX_LINE_ERRORS of them (OpenAI's `errors` list)."""
         path = await self._input_path(job)
-        errors = [LineError(0, "file_not_found", "The input file was deleted.")] if path is None else []
-        seen: set[str] = set()  # bounded by batch.max_requests
-        pos, line_no = 0, 0
         gw = self.gw
-        while path is not None and len(errors) < MAX_LINE_ERRORS:
-            chunk = await asyncio.to_thread(read_lines, path, pos, _VALIDATE_CHUNK)
-            if not chunk:
+        scan = LineScan(job.obj["endpoint"], gw.served_models, gw.config.server.max_body_bytes)
+        if path is None:
+            scan.errors.append(LineError(0, "file_not_found", "The input file was deleted."))
+        while path is not None and len(scan.errors) < MAX_LINE_ERRORS:
+            rows = await asyncio.to_thread(scan.next_chunk, path, _VALIDATE_CHUNK)
+            if rows is None:
                 break
-            rows = []
-            for start, raw in chunk:
-                pos = start + len(raw)
-                if not raw.strip():
-                    continue
-                line_no += 1
-                checked = check_line(line_no, raw.rstrip(b"\r\n"), job.obj["endpoint"], gw.served_models,
-                                     gw.config.server.max_body_bytes)
-                if not isinstance(checked, LineError) and checked.custom_id in seen:
-                    checked = duplicate_error(line_no, checked.custom_id)
-                if isinstance(checked, LineError):
-                    errors.append(checked)
-                    continue
-                seen.add(checked.custom_id)
-                rows.append((line_no, checked.custom_id, checked.group, start, len(raw)))
-            if not errors:
+            if not scan.errors:
                 await self._store().add_lines(job.id, rows)
-        await self._validated(job, errors, line_no)
+        await self._validated(job, scan.errors, scan.requests)
 
     async def _validated(self, job: Job, errors: list[LineError], lines: int) -> None:
         store, now = self._store(), int(time.time())
