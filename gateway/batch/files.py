@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import IO, Any
 
@@ -79,7 +80,8 @@ async def write_outputs(store: BatchStore, job: Job, folder: Path, expired: bool
     """(output file id, error file id, lines marked `batch_expired`). A file with no line is not created. The ids
     follow from the batch's, so a finalization cut short and run again replaces the same files."""
     paths = {kind: folder / f"file-{job.id}-{kind}.jsonl" for kind in ("output", "error")}
-    handles = {kind: open(str(p) + ".tmp", "wb") for kind, p in paths.items()}  # noqa: SIM115 - closed below
+    tmp = f".{uuid.uuid4().hex[:8]}.tmp"  # a writer of its own, should another gateway take the job over meanwhile
+    handles = {kind: open(str(p) + tmp, "wb") for kind, p in paths.items()}  # noqa: SIM115 - closed below
     counts, expired_n, after = {"output": 0, "error": 0}, 0, 0
     try:
         while page := await store.export_page(job.id, after, _EXPORT_PAGE):
@@ -99,7 +101,9 @@ async def write_outputs(store: BatchStore, job: Job, folder: Path, expired: bool
     finally:
         for f in handles.values():
             await asyncio.to_thread(_close_synced, f)
-    ids = {kind: await _publish(store, job, kind, paths[kind]) if counts[kind] else None for kind in paths}
+    ids = {kind: await _publish(store, job, kind, paths[kind], tmp) if counts[kind] else None for kind in paths}
+    for kind in paths:
+        Path(str(paths[kind]) + tmp).unlink(missing_ok=True)  # an empty file is not published
     return ids["output"], ids["error"], expired_n
 
 
@@ -109,8 +113,8 @@ def _close_synced(f: IO[bytes]) -> None:
     f.close()
 
 
-async def _publish(store: BatchStore, job: Job, kind: str, path: Path) -> str:
-    os.replace(str(path) + ".tmp", path)
+async def _publish(store: BatchStore, job: Job, kind: str, path: Path, tmp: str) -> str:
+    os.replace(str(path) + tmp, path)
     file_id = path.stem
     obj = file_object(file_id, path.stat().st_size, f"batch_{job.id}_{kind}.jsonl", "batch_output")
     await store.add_file(obj, job.owner, str(path))

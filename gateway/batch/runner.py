@@ -27,6 +27,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from policies.batch import (
     JobDeadline,
     LineError,
     dispatch_order,
+    failed_line,
     finish_estimate,
     output_line,
 )
@@ -73,6 +75,7 @@ class BatchRunner:
         self._busy: dict[str, set[int]] = {}  # batch id → line numbers in flight here
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._steps: dict[str, asyncio.Task[None]] = {}  # batch id → its validation or finalization running now
         self._wake = asyncio.Event()
         self._active: list[tuple[str, dict[str, Any]]] = []  # (owner, batch) of unfinished jobs, at the last tick
         self._progress: dict[str, deque[tuple[float, int]]] = {}  # batch id → (time, lines done) samples
@@ -95,7 +98,7 @@ class BatchRunner:
     async def stop(self) -> None:
         """Stops dispatching and cuts the lines in flight (they have no result: they run again later), then gives
         the leases back so that a restarted gateway takes the jobs over at once."""
-        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        tasks = [t for t in (self._loop_task, *self._tasks, *self._steps.values()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,15 +163,29 @@ class BatchRunner:
 
     # a job's steps ---------------------------------------------------------------------------------------------
     async def _advance(self, job: Job, now: float) -> None:
-        busy = self._busy.get(job.id)
-        if job.status == "validating":
-            await self._validate(job)
-        elif job.status == "in_progress" and now < job.expires_at:
+        """Dispatches the job's next lines, or starts its next long step (validating, writing the output files) as a
+        task of its own, so that the loop goes on renewing leases and feeding other jobs meanwhile."""
+        if job.id in self._steps:
+            return
+        if job.status == "in_progress" and now < job.expires_at:
             await self._dispatch(job)
+        elif job.status == "validating":
+            self._step(job, self._validate(job))
         elif job.status == "finalizing":
-            await self._finish(job, "completed")
-        elif not busy:  # cancelling, or past its window: once its lines in flight are done
-            await self._finish(job, "cancelled" if job.status == "cancelling" else "expired")
+            self._step(job, self._finish(job, "completed"))
+        elif not self._busy.get(job.id):  # cancelling, or past its window: once its lines in flight are done
+            self._step(job, self._finish(job, "cancelled" if job.status == "cancelling" else "expired"))
+
+    def _step(self, job: Job, step: Coroutine[Any, Any, None]) -> None:
+        async def run() -> None:
+            try:
+                await step
+            except Exception:  # the store or the disk failed: the next tick tries the step again
+                log.exception("batch %s: %s step failed", job.id, job.status)
+            finally:
+                self._steps.pop(job.id, None)
+                self.wake()
+        self._steps[job.id] = asyncio.create_task(run(), name=f"m3gate-batch-{job.status}")
 
     async def _validate(self, job: Job) -> None:
         """Checks the input file chunk by chunk in a worker thread and stores the valid lines with their prefix
@@ -221,23 +238,32 @@ class BatchRunner:
 
     async def _run_line(self, job: Job, line: PendingLine, path: Path | None) -> None:
         try:
-            if path is None:
-                raise FileNotFoundError(job.obj["input_file_id"])
-            item = orjson.loads(await asyncio.to_thread(read_at, path, line.pos, line.length))
-            status, request_id, body = await self.call(job.owner, job.obj["endpoint"], item["body"])
-            if status in RETRY_STATUSES:  # no capacity now: the line stays pending
+            answer = await self._answer(job, line, path)
+            if answer is None:  # no capacity now: the line stays pending
                 await asyncio.sleep(RETRY_AFTER_S)
-                return
-            ok = 200 <= status < 300
-            out = output_line(f"batch_req_{uuid.uuid4().hex}", line.custom_id, status, request_id, body)
-            if await self._store().record_result(job.id, line.line_no, line.custom_id, ok, out):
-                self.metrics.requests_done("completed" if ok else "failed")
-        except Exception:  # the store or the file failed: the line stays pending and runs again
+            elif await self._store().record_result(job.id, line.line_no, line.custom_id, *answer):
+                self.metrics.requests_done("completed" if answer[0] else "failed")
+        except Exception:  # the store failed: the line stays pending and runs again
             log.exception("batch %s line %d failed to run", job.id, line.line_no)
             await asyncio.sleep(RETRY_AFTER_S)
         finally:
             self._busy.get(job.id, set()).discard(line.line_no)
             self.wake()
+
+    async def _answer(self, job: Job, line: PendingLine, path: Path | None) -> tuple[bool, bytes] | None:
+        """(2xx, the output line) of one line, or None when it was refused for capacity (run it again later)."""
+        request_id = f"batch_req_{uuid.uuid4().hex}"
+        try:
+            if path is None:
+                raise FileNotFoundError(job.obj["input_file_id"])
+            item = orjson.loads(await asyncio.to_thread(read_at, path, line.pos, line.length))
+        except OSError:
+            return False, failed_line(request_id, line.custom_id, "input_file_deleted",
+                                      "The batch's input file was deleted before this request ran.")
+        status, upstream_id, body = await self.call(job.owner, job.obj["endpoint"], item["body"])
+        if status in RETRY_STATUSES:
+            return None
+        return 200 <= status < 300, output_line(request_id, line.custom_id, status, upstream_id, body)
 
     async def _finish(self, job: Job, final: str) -> None:
         """Writes the output and error files from the stored results (expired: the lines left get
