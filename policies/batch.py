@@ -117,6 +117,25 @@ def prefix_group(body: dict[str, Any]) -> str:
     return hashlib.blake2b(orjson.dumps(shared, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
 
 
+def lines_to_send(pending: Iterable[tuple[int, str]], in_flight: Iterable[str], warm: set[str], free: int) -> \
+        list[int]:
+    """Which pending lines (line number, prefix group; in dispatch order, none in flight) to send now, at most
+    `free`. A group whose prefix is not cached yet sends one line, its leader, and the rest only once an answer has
+    come back (`warm`): sent together, they would all compute the same prefix at once, since a replica caches a
+    prefix only after computing it."""
+    leading = {group for group in in_flight if group not in warm}
+    out: list[int] = []
+    for line_no, group in pending:
+        if len(out) >= free:
+            break
+        if group in warm:
+            out.append(line_no)
+        elif group not in leading:
+            leading.add(group)
+            out.append(line_no)
+    return out
+
+
 class JobDeadline(NamedTuple):
     batch_id: str
     expires_at: float

@@ -49,6 +49,7 @@ from policies.batch import (
     dispatch_order,
     failed_line,
     finish_estimate,
+    lines_to_send,
     output_line,
 )
 from policies.traffic import CLASS_HEADER
@@ -58,6 +59,7 @@ log = logging.getLogger("m3gate.batch")
 APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 RETRY_AFTER_S = 1.0
 _VALIDATE_CHUNK = 2000  # lines read and stored per step while validating
+_LOOK_AHEAD = 256  # pending lines read beyond the free slots, to find lines of warm groups behind a cold one
 PROGRESS_WINDOW_S = 60.0  # lines per second over this window (the status page's rate and predicted finish)
 
 
@@ -72,7 +74,8 @@ class BatchRunner:
         self.store: BatchStore | None = None
         self.metrics = BatchMetrics()
         self._temp: str | None = None
-        self._busy: dict[str, set[int]] = {}  # batch id → line numbers in flight here
+        self._busy: dict[str, dict[int, str]] = {}  # batch id → line number in flight here → its prefix group
+        self._warm: dict[str, set[str]] = {}  # batch id → prefix groups with an answer back (cached on a replica)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._steps: dict[str, asyncio.Task[None]] = {}  # batch id → its validation or finalization running now
@@ -218,20 +221,24 @@ class BatchRunner:
                                  only_from=("validating",))
 
     async def _dispatch(self, job: Job) -> None:
-        """Fills this gateway's free slots (batch.max_in_flight) with the job's next lines; a job with nothing
-        left to run moves to finalizing."""
-        busy = self._busy.setdefault(job.id, set())
-        free = self.gw.config.batch.max_in_flight - sum(len(b) for b in self._busy.values())
-        rows = await self._store().pending(job.id, max(free, 0) + len(busy))
+        """Fills this gateway's free slots (batch.max_in_flight) with the job's next lines, a cold prefix group's
+        leader first (policies/batch.py `lines_to_send`); a job with nothing left to run moves to finalizing."""
+        busy = self._busy.setdefault(job.id, {})
+        free = max(0, self.gw.config.batch.max_in_flight - sum(len(b) for b in self._busy.values()))
+        rows = await self._store().pending(job.id, free + len(busy) + _LOOK_AHEAD)
         if not rows and not busy:
             self._busy.pop(job.id, None)
+            self._warm.pop(job.id, None)
             await self._store().update_batch(job.id, {"status": "finalizing", "finalizing_at": int(time.time())},
                                              only_from=("in_progress",))
             self.wake()
             return
         path = await self._input_path(job)
-        for line in [r for r in rows if r.line_no not in busy][:max(free, 0)]:
-            busy.add(line.line_no)
+        waiting = {r.line_no: r for r in rows if r.line_no not in busy}
+        chosen = lines_to_send([(r.line_no, r.group) for r in waiting.values()], busy.values(),
+                               self._warm.setdefault(job.id, set()), free)
+        for line in (waiting[n] for n in chosen):
+            busy[line.line_no] = line.group
             task = asyncio.create_task(self._run_line(job, line, path))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -241,13 +248,15 @@ class BatchRunner:
             answer = await self._answer(job, line, path)
             if answer is None:  # no capacity now: the line stays pending
                 await asyncio.sleep(RETRY_AFTER_S)
-            elif await self._store().record_result(job.id, line.line_no, line.custom_id, *answer):
-                self.metrics.requests_done("completed" if answer[0] else "failed")
+            else:
+                self._warm.get(job.id, set()).add(line.group)  # its prefix is cached now
+                if await self._store().record_result(job.id, line.line_no, line.custom_id, *answer):
+                    self.metrics.requests_done("completed" if answer[0] else "failed")
         except Exception:  # the store failed: the line stays pending and runs again
             log.exception("batch %s line %d failed to run", job.id, line.line_no)
             await asyncio.sleep(RETRY_AFTER_S)
         finally:
-            self._busy.get(job.id, set()).discard(line.line_no)
+            self._busy.get(job.id, {}).pop(line.line_no, None)
             self.wake()
 
     async def _answer(self, job: Job, line: PendingLine, path: Path | None) -> tuple[bool, bytes] | None:
@@ -277,6 +286,7 @@ class BatchRunner:
                                  only_from=(job.status,), failed_extra=expired)
         await store.forget_lines(job.id)
         self._busy.pop(job.id, None)
+        self._warm.pop(job.id, None)
 
     async def _input_path(self, job: Job) -> Path | None:
         found = await self._store().get_file(job.obj["input_file_id"], None)

@@ -108,6 +108,7 @@ class Db:
 class PendingLine(NamedTuple):
     line_no: int
     custom_id: str
+    group: str  # prefix group
     pos: int  # byte offset of the line in the input file
     length: int
 
@@ -276,7 +277,7 @@ class BatchStore:
     async def pending(self, batch_id: str, limit: int) -> list[PendingLine]:
         """Lines without a result, in dispatch order: by prefix group, then as in the file."""
         rows = await self._run(lambda db: db.execute(
-            "SELECT line_no, custom_id, pos, length FROM batch_lines WHERE batch_id = ? AND done = 0 "
+            "SELECT line_no, custom_id, grp, pos, length FROM batch_lines WHERE batch_id = ? AND done = 0 "
             "ORDER BY grp, line_no LIMIT ?", (batch_id, limit)).fetchall())
         return [PendingLine(*r) for r in rows]
 

@@ -17,6 +17,7 @@ from policies.batch import (
     dispatch_order,
     failed_line,
     finish_estimate,
+    lines_to_send,
     output_line,
     prefix_group,
     window_seconds,
@@ -111,3 +112,11 @@ def test_the_predicted_finish_follows_the_recent_rate() -> None:
     rate, finish = finish_estimate([(10.0, 0), (20.0, 50)], 100)
     assert rate == 5.0 and finish == 30.0
     assert finish_estimate([(10.0, 5), (20.0, 5)], 100) == (0.0, None)  # stalled: no prediction
+
+
+def test_a_cold_group_sends_its_leader_alone_then_the_rest() -> None:
+    pending = [(1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b")]
+    assert lines_to_send(pending, [], set(), free=10) == [1, 4]  # one leader per cold group
+    assert lines_to_send(pending[1:], ["a"], set(), free=10) == [4]  # a's leader still runs
+    assert lines_to_send(pending[1:], ["a"], {"a"}, free=10) == [2, 3, 4]  # a answered: cached now
+    assert lines_to_send(pending, [], {"a", "b"}, free=3) == [1, 2, 3]  # never more than the free slots
