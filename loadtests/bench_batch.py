@@ -4,8 +4,9 @@
 
 The peers' batch benchmark shape scaled to the simulator: interactive bursts (Poisson arrivals, a high rate for
 `--phase-s`, a low one for as long, `--cycles` times; short unique streaming chats) and `--jobs` batch jobs of
-`--requests` chats each, sharing 5 system prompts, on 2 simulated replicas. Three runs on the same arrivals, the
-replicas' caches reset before each:
+`--requests` chats each, sharing 5 system prompts, on 2 simulated replicas (16 sequences each, the pool scheduling
+by priority as vLLM's `--scheduling-policy priority`). Three runs on the same arrivals, the replicas' caches reset
+before each:
 - `none`: the interactive traffic alone;
 - `loop`: the batch sent straight at the gateway by a client loop at fixed concurrency (`--loop-concurrency`), as
   users do without a Batch API (in the interactive class, as their keys would send it);
@@ -36,9 +37,9 @@ from loadtests.harness import write_results
 from loadtests.replicas import gateway, gateway_config, sim_pool, wait_gateway_sees
 
 MODEL = "MiniMaxAI/MiniMax-M3"
-SIM_ARGS = ["--max-num-seqs", "16", "--kv-blocks", "3000", "--speed", "2"]
+SIM_ARGS = ["--max-num-seqs", "16", "--kv-blocks", "3000"]
 TTFT_TARGET_S = 1.0
-HIGH_RATE, LOW_RATE = 6.0, 1.5  # interactive requests per second in each phase
+HIGH_RATE, LOW_RATE = 8.0, 2.0  # interactive requests per second in each phase
 SYSTEM_PROMPTS = [f"You are reviewer {i}. " + " ".join(f"rule-{i}-{j}: check the case carefully." for j in range(120))
                   for i in range(5)]
 
@@ -73,7 +74,7 @@ def arrivals(phase_s: float, cycles: int, seed: int = 0) -> list[tuple[float, st
 
 
 def batch_bodies(jobs: int, requests: int) -> list[list[dict[str, Any]]]:
-    return [[{"model": MODEL, "max_tokens": 48, "messages": [
+    return [[{"model": MODEL, "max_tokens": 128, "messages": [
         {"role": "system", "content": SYSTEM_PROMPTS[i % 5]},
         {"role": "user", "content": f"job {j} item {i}: summarise the case in one line."}]}
         for i in range(requests)] for j in range(jobs)]
@@ -82,7 +83,7 @@ def batch_bodies(jobs: int, requests: int) -> list[list[dict[str, Any]]]:
 async def _interactive(http: httpx.AsyncClient, url: str, at: float, phase: str, t0: float, n: int) -> Interactive:
     await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
     body = {"model": MODEL, "stream": True, "max_tokens": 32,
-            "messages": [{"role": "user", "content": f"interactive question {n}: " + "context " * 40}]}
+            "messages": [{"role": "user", "content": f"interactive question {n}: " + "context " * 400}]}
     sent, ttft = time.monotonic(), None
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with sim_pool(2, extra_args=SIM_ARGS) as pool:
         config = gateway_config(pool.urls, extra={"batch": {"max_in_flight": args.loop_concurrency}})
+        config["pools"][0]["scheduling_policy"] = "priority"  # vLLM serves the batch class after the others
         with gateway(config) as gw:
             wait_gateway_sees(gw.url, 2)
             for name in ("none", "loop", "api"):
