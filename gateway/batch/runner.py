@@ -60,6 +60,7 @@ APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/r
 RETRY_AFTER_S = 1.0
 _VALIDATE_CHUNK = 2000  # lines read and stored per step while validating
 _LOOK_AHEAD = 256  # pending lines read beyond the free slots, to find lines of warm groups behind a cold one
+MIN_TICK_S = 0.05  # at most 20 ticks a second (each renews the leases: one write to the store)
 PROGRESS_WINDOW_S = 60.0  # lines per second over this window (the status page's rate and predicted finish)
 
 
@@ -82,6 +83,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._active: list[tuple[str, dict[str, Any]]] = []  # (owner, batch) of unfinished jobs, at the last tick
         self._progress: dict[str, deque[tuple[float, int]]] = {}  # batch id → (time, lines done) samples
+        self._sampled_at = float("-inf")
 
     # lifecycle -------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,6 +124,7 @@ class BatchRunner:
                 await self.tick()
             except Exception:  # a store hiccup must not end the runner
                 log.exception("batch runner step failed")
+            await asyncio.sleep(MIN_TICK_S)  # wakes coming closer (lines finishing) are served by one tick
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.gw.config.batch.poll_interval_s)
@@ -130,8 +133,10 @@ class BatchRunner:
         store = self._store()
         cfg = self.gw.config.batch
         jobs = {job.id: job for job in await store.claim(self.holder, time.time(), cfg.lease_s)}  # renews ours
-        self.metrics.jobs = await store.counts_by_status()
-        await self._sample_progress(store)
+        if time.monotonic() - self._sampled_at >= cfg.poll_interval_s:
+            self._sampled_at = time.monotonic()
+            self.metrics.jobs = await store.counts_by_status()
+            await self._sample_progress(store)
         for batch_id in dispatch_order(JobDeadline(job.id, job.expires_at) for job in jobs.values()):
             await self._advance(jobs[batch_id], time.time())
 
