@@ -18,6 +18,10 @@ replicas' `cached_tokens` ÷ prompt tokens) beside the one-replica oracle (every
 prompt served that prompt from cache). Goals (the issue's): interactive attainment within 1 point of `none`, the
 batch done in ≤ 1.2× the loop's time, hit rate ≥ 0.9× the oracle. `--quick`: 20 s phases, one cycle, 3 × 150
 requests (about 3 minutes). Results under loadtests/results/<time>-batch/ (batch.json, batch.md).
+
+`--memory N [N ...]`: instead, one job of each size on an instant simulated replica (agent sessions off, so that the
+gateway keeps no per-request table), printing lines per second and the gateway's RSS before and at its peak: the
+check that a job's size does not show in the gateway's memory.
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ from typing import Any
 import httpx
 
 from loadtests.harness import write_results
-from loadtests.replicas import gateway, gateway_config, sim_pool, wait_gateway_sees
+from loadtests.replicas import gateway, gateway_config, rss_bytes, sim_pool, wait_gateway_sees
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 SIM_ARGS = ["--max-num-seqs", "16", "--kv-blocks", "3000"]
 TTFT_TARGET_S = 1.0
 HIGH_RATE, LOW_RATE = 8.0, 2.0  # interactive requests per second in each phase
+FINAL = ("completed", "failed", "expired", "cancelled")
 SYSTEM_PROMPTS = [f"You are reviewer {i}. " + " ".join(f"rule-{i}-{j}: check the case carefully." for j in range(120))
                   for i in range(5)]
 
@@ -133,7 +138,7 @@ async def _api_batch(http: httpx.AsyncClient, url: str, jobs: list[list[dict[str
     while len(done) < len(ids):
         for batch_id in ids:
             batch = (await http.get(f"{url}/v1/batches/{batch_id}")).json()
-            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            if batch["status"] in FINAL:
                 done[batch_id] = batch
         await asyncio.sleep(0.25)
     result.batch_done_s = time.monotonic() - t0
@@ -220,6 +225,29 @@ def checks(rows: dict[str, Any]) -> list[str]:
     return out
 
 
+def memory_run(sizes: list[int]) -> None:
+    """One job per size, one after another on one gateway: throughput and the gateway's RSS (before, peak)."""
+    with sim_pool(1, extra_args=["--instant"]) as pool:
+        config = gateway_config(pool.urls, extra={"sessions": {"enabled": False}})
+        with gateway(config) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
+            for n in sizes:
+                lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                            "body": body}) + "\n" for i, body in enumerate(batch_bodies(1, n)[0]))
+                before = peak = rss_bytes(gw.pid)
+                up = http.post("/v1/files", data={"purpose": "batch"},
+                               files={"file": ("in.jsonl", io.BytesIO(lines.encode()))}).json()
+                t0 = time.monotonic()
+                batch = http.post("/v1/batches", json={"input_file_id": up["id"], "completion_window": "24h",
+                                                       "endpoint": "/v1/chat/completions"}).json()
+                while (batch := http.get(f"/v1/batches/{batch['id']}").json())["status"] not in FINAL:
+                    peak = max(peak, rss_bytes(gw.pid))
+                    time.sleep(0.2)
+                took = time.monotonic() - t0
+                print(f"{n:,} lines ({len(lines) / 1e6:.1f} MB): {batch['status']} in {took:.1f} s, "
+                      f"{n / took:.0f} lines/s; gateway RSS {before / 2**20:.0f} MiB before, "
+                      f"{peak / 2**20:.0f} MiB at its peak", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -228,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--loop-concurrency", type=int, default=16)
+    p.add_argument("--memory", type=int, nargs="+", metavar="N", help="measure throughput and RSS per job size")
     args = p.parse_args(argv)
+    if args.memory:
+        memory_run(args.memory)
+        return 0
     if args.quick:
         args.phase_s, args.cycles, args.requests = 20.0, 1, 150
     plan, jobs = arrivals(args.phase_s, args.cycles), batch_bodies(args.jobs, args.requests)

@@ -14,19 +14,22 @@ from gateway.batch.store import BatchStore, Job
 from policies.batch import EXPIRED_MESSAGE, LineError, check_line, duplicate_error, failed_line
 
 _EXPORT_PAGE = 1000
+CHUNK_BYTES = 4 * 1024 * 1024  # input read per validation step, at most (and at least one line)
 
 
-def read_lines(path: Path, pos: int, limit: int) -> list[tuple[int, bytes]]:
-    """Up to `limit` lines from byte `pos` on: (start offset, the line with its newline)."""
-    out = []
+def read_lines(path: Path, pos: int, limit: int, max_bytes: int = CHUNK_BYTES) -> list[tuple[int, bytes]]:
+    """Up to `limit` lines from byte `pos` on, stopping after `max_bytes` (at least one line): (start offset, the
+    line with its newline)."""
+    out, size = [], 0
     with open(path, "rb") as f:
         f.seek(pos)
-        for _ in range(limit):
+        while len(out) < limit and size < max_bytes:
             raw = f.readline()
             if not raw:
                 break
             out.append((pos, raw))
             pos += len(raw)
+            size += len(raw)
     return out
 
 

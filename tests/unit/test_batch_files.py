@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.batch.files import LineScan, read_at
+from gateway.batch.files import LineScan, read_at, read_lines
 
 URL = "/v1/chat/completions"
 
@@ -42,3 +42,11 @@ def test_errors_carry_the_line_and_a_duplicate_is_found_across_chunks(tmp_path: 
     scan, rows = _scan(path, chunk=2)
     assert [(e.line, e.code) for e in scan.errors] == [(4, "invalid_json_line"), (5, "duplicate_custom_id")]
     assert [r[1] for r in rows] == ["a", "b"]
+
+
+def test_a_chunk_stops_at_its_byte_bound_but_never_empty(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(_line(c) + "\n" for c in "abcd"))
+    one = len(_line("a")) + 1
+    assert [raw for _, raw in read_lines(path, 0, 100, max_bytes=2 * one)] == [_line(c).encode() + b"\n" for c in "ab"]
+    assert len(read_lines(path, 0, 100, max_bytes=1)) == 1
