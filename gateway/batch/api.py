@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ from gateway.runtime import Gateway
 from policies.batch import check_endpoint, check_window
 from policies.errors import RequestRejected
 
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # the ids this API hands out are of this shape; anything else exists nowhere
 _COPY_CHUNK = 1024 * 1024
 _MULTIPART_SLACK = 64 * 1024  # the form's own bytes around the file
 
@@ -65,6 +67,11 @@ def _creator(request: Request) -> str:
         raise RequestRejected("The admin key reads and cancels batches; create files and batches with a client key.",
                               status=403, type="permission_error", code="admin_cannot_create")
     return owner
+
+
+def _id(value: str | None) -> str | None:
+    """An id from a path or query, or None when it cannot be one (never reaches the store: PostgreSQL refuses NUL)."""
+    return value if value is not None and _ID.fullmatch(value) else None
 
 
 def _not_found(kind: str, ident: str) -> Response:
@@ -153,20 +160,21 @@ def _too_many(limit: int) -> RequestRejected:
 
 async def list_files(request: Request) -> Response:
     limit = _limit(request, 10_000, 10_000)
-    data = await _store(request).list_files(_owner(request), request.query_params.get("purpose"), limit + 1,
-                                            request.query_params.get("after"))
+    purpose, after = request.query_params.get("purpose"), request.query_params.get("after")
+    data = await _store(request).list_files(_owner(request), _id(purpose) or ("-" if purpose else None), limit + 1,
+                                            _id(after) or ("-" if after else None))
     return JSONResponse(_page(data[:limit], len(data) > limit))
 
 
 async def get_file(request: Request) -> Response:
     file_id = request.path_params["file_id"]
-    found = await _store(request).get_file(file_id, _owner(request))
+    found = await _store(request).get_file(file_id, _owner(request)) if _id(file_id) else None
     return JSONResponse(found[0]) if found else _not_found("file", file_id)
 
 
 async def file_content(request: Request) -> Response:
     file_id = request.path_params["file_id"]
-    found = await _store(request).get_file(file_id, _owner(request))
+    found = await _store(request).get_file(file_id, _owner(request)) if _id(file_id) else None
     if found is None or not Path(found[1]).exists():
         return _not_found("file", file_id)
     return FileResponse(found[1], media_type="application/jsonl")
@@ -175,7 +183,7 @@ async def file_content(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     file_id = request.path_params["file_id"]
     store = _store(request)
-    found = await store.get_file(file_id, _owner(request))
+    found = await store.get_file(file_id, _owner(request)) if _id(file_id) else None
     if found is None:
         return _not_found("file", file_id)
     await store.delete_file(file_id)
@@ -196,7 +204,7 @@ async def create_batch(request: Request) -> Response:
         raise RequestRejected("metadata must be an object of at most 16 string values.", param="metadata",
                               code="invalid_value")
     input_id = body.get("input_file_id")
-    found = await _store(request).get_file(str(input_id), owner) if isinstance(input_id, str) else None
+    found = await _store(request).get_file(input_id, owner) if isinstance(input_id, str) and _id(input_id) else None
     if found is None or found[0]["purpose"] != "batch":
         raise RequestRejected(f"input_file_id {input_id!r} names no file with purpose 'batch' of this key.",
                               status=404 if found is None else 400, param="input_file_id", code="not_found")
@@ -218,20 +226,21 @@ def _new_batch(endpoint: str, input_id: str, window_text: str, window_s: float, 
 
 async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
-    found = await _store(request).get_batch(batch_id, _owner(request))
+    found = await _store(request).get_batch(batch_id, _owner(request)) if _id(batch_id) else None
     return JSONResponse(found) if found else _not_found("batch", batch_id)
 
 
 async def list_batches(request: Request) -> Response:
     limit = _limit(request)
-    data = await _store(request).list_batches(_owner(request), limit + 1, request.query_params.get("after"))
+    after = request.query_params.get("after")
+    data = await _store(request).list_batches(_owner(request), limit + 1, _id(after) or ("-" if after else None))
     return JSONResponse(_page(data[:limit], len(data) > limit))
 
 
 async def cancel_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     store = _store(request)
-    found = await store.get_batch(batch_id, _owner(request))
+    found = await store.get_batch(batch_id, _owner(request)) if _id(batch_id) else None
     if found is None:
         return _not_found("batch", batch_id)
     changed = await store.update_batch(batch_id, {"status": "cancelling", "cancelling_at": int(time.time())},

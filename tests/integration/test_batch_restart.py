@@ -84,6 +84,8 @@ def test_two_gateways_on_postgresql_the_survivor_takes_the_job_over(sim: SimProc
             alice = _client(survivor, ALICE)
             assert alice.batches.retrieve(batch_id).request_counts.completed < N  # killed mid-job
             _each_custom_id_once(alice, batch_id)
+            with pytest.raises(openai.NotFoundError):  # an id PostgreSQL could not even store: a 404, not a 500
+                alice.batches.retrieve("batch\x00")
         finally:
             for gw in gateways:
                 gw.stop()
