@@ -43,6 +43,9 @@ class Client:
 
 
 ANONYMOUS = Client(None)
+# An ASGI scope key the gateway itself sets on requests it makes in-process (the Batch API's runner): the Client they
+# run as. A scope is built by the server, so no request from the network can carry it.
+IN_PROCESS_CLIENT = "m3gate.client"
 
 
 class KeyStore:
@@ -56,6 +59,9 @@ class KeyStore:
     @property
     def open(self) -> bool:
         return not self._keys
+
+    def by_name(self, name: str) -> ApiKeyConfig | None:
+        return next((key for _, key in self._keys if key.name == name), None)
 
     def lookup(self, presented: str) -> ApiKeyConfig | None:
         digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()

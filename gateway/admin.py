@@ -130,7 +130,7 @@ async def effective_config(request: Request) -> Response:
     if (denied := _authorized(request)) is not None:
         return denied
     gw: Gateway = request.app.state.gateway
-    return JSONResponse(_without_url_passwords(gw.config.model_dump(mode="json")))
+    return JSONResponse(_without_url_passwords(gw.config.model_dump(mode="json", by_alias=True)))
 
 
 _URL_PASSWORD = re.compile(r"(://[^/@\s:]*):[^/@\s]*@")

@@ -30,7 +30,14 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.types import Receive
 
-from gateway.access import OPEN_GATEWAY_WARNING, Client, KeyStore, body_deadline, check_header_size
+from gateway.access import (
+    IN_PROCESS_CLIENT,
+    OPEN_GATEWAY_WARNING,
+    Client,
+    KeyStore,
+    body_deadline,
+    check_header_size,
+)
 from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
@@ -484,6 +491,9 @@ class TrafficControl:
 
     # request path --------------------------------------------------------------------------------------------
     def authenticate(self, request: Request) -> Client:
+        inner = request.scope.get(IN_PROCESS_CLIENT)
+        if inner is not None:  # the gateway's own request (a batch line), already authenticated as its job's owner
+            return inner  # type: ignore[no-any-return]
         check_header_size(request.scope["headers"], self.config.limits.max_header_bytes)
         return self.keys.authenticate(request.headers)
 

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admin import admin_routes
+from gateway.batch import BatchRunner, batch_routes
 from gateway.coordinator import Coordinator
 from gateway.errors import error_response
 from gateway.observability.history import History
@@ -37,12 +38,15 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
     coordinator = Coordinator(gateway)
     reloader = ConfigReloader(gateway, config_path)
     history = History(gateway)  # the status page's chart points, sampled while the app runs
+    batch = BatchRunner(gateway, coordinator) if config.batch.enabled else None  # the Batch API's jobs
 
     @asynccontextmanager
     async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
         await gateway.start()
         coordinator.stalls.start()
         history.start()
+        if batch is not None:
+            await batch.start()
         if config_path and config.admin.watch_config:
             reloader.start_watching()
         if config_path:
@@ -50,17 +54,21 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
         try:
             yield
         finally:
+            if batch is not None:
+                await batch.stop()
             await history.stop()
             await coordinator.stalls.stop()
             await reloader.stop()
             await gateway.stop()
 
-    app = GatewayApp(generate_endpoints(coordinator), routes=[*routes(), *admin_routes(), *ui_routes()],
+    extra = batch_routes() if batch is not None else []
+    app = GatewayApp(generate_endpoints(coordinator), routes=[*routes(), *admin_routes(), *ui_routes(), *extra],
                      lifespan=lifespan, exception_handlers=_exception_handlers())
     app.state.gateway = gateway
     app.state.coordinator = coordinator
     app.state.reloader = reloader
     app.state.history = history
+    app.state.batch = batch
     return app
 
 

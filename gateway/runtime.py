@@ -112,6 +112,9 @@ class Gateway:
             notes.append("server.host/port changes take effect on restart")
         if config.state != old.state:
             notes.append("`state` changes take effect on restart")
+        if (config.batch.enabled, config.batch.store, config.batch.files_dir) != \
+                (old.batch.enabled, old.batch.store, old.batch.files_dir):
+            notes.append("batch.enabled/store/files_dir changes take effect on restart")
         if config.classification.encoding != old.classification.encoding:
             self.counter = TokenCounter(config.classification)
         if config.sessions.enabled != old.sessions.enabled:

@@ -170,7 +170,7 @@ def _sessions(gw: Gateway) -> dict[str, Any] | None:
 
 
 def state(gw: Gateway, reloader: Any, history: History | None = None,
-          history_since: float | None = None) -> dict[str, Any]:
+          history_since: float | None = None, batch: Any = None) -> dict[str, Any]:
     now = gw.clock()
     wall = time.time()
     gw.recent.watched(now)
@@ -186,6 +186,7 @@ def state(gw: Gateway, reloader: Any, history: History | None = None,
         "sessions": _sessions(gw),
         "sessions_api": gw.sessions is not None,  # GET /admin/sessions answers (else 404)
         "history": history.view(history_since) if history is not None else None,
+        "batch": batch.view() if batch is not None else None,  # the Batch API's active jobs (None: it is off)
     }
 
 
@@ -262,7 +263,8 @@ async def ui_state(request: Request) -> Response:
     except ValueError:
         return error_response(400, "`history_since` must be a time in seconds since the epoch (the newest point's "
                               "`t` the page has).", param="history_since", code="invalid_value")
-    body = state(gw, getattr(request.app.state, "reloader", None), getattr(request.app.state, "history", None), since)
+    app = request.app.state
+    body = state(gw, getattr(app, "reloader", None), getattr(app, "history", None), since, getattr(app, "batch", None))
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
 

@@ -594,6 +594,9 @@ class TrafficClassConfig(_Strict):
         return out
 
 
+BATCH_CLASS = "batch"  # the built-in traffic class of the Batch API (added to traffic.classes when missing)
+
+
 def _default_classes() -> dict[str, TrafficClassConfig]:
     """The deployment guide's three classes: a 32K interactive pool, a 128K repository pool, an extended pool."""
     return {
@@ -607,6 +610,15 @@ def _default_classes() -> dict[str, TrafficClassConfig]:
             priority=2, max_concurrency=8, queue_length=64, max_queue_wait_s=120, ttft_target_s=60.0
         ),
     }
+
+
+def _builtin_batch_class(classes: dict[str, TrafficClassConfig]) -> TrafficClassConfig:
+    """The Batch API's class: a background class (docs/scheduling.md) served after every other class, only into the
+    headroom the others leave, its streams paused when they need the replicas; its requests may wait long in the
+    queue (the runner sends them again after a refusal anyway)."""
+    lowest = max(c.priority for c in classes.values())
+    return TrafficClassConfig(priority=min(lowest + 1, 1_000_000), max_concurrency=32, queue_length=256,
+                              max_queue_wait_s=600, ttft_target_s=600.0, spill_upward=True, background=True)
 
 
 class SaturationConfig(_Strict):
@@ -626,8 +638,9 @@ class TrafficConfig(_Strict):
     """Traffic classes and admission: who waits, who spills, who is refused when a pool is saturated."""
 
     classes: dict[str, TrafficClassConfig] = Field(
-        default_factory=_default_classes, description="Class name → its priority and limits (replaces the defaults "
-        "interactive / repository / extended when given).",
+        default_factory=_default_classes, validate_default=True, description="Class name → its priority and limits (replaces the defaults "
+        "interactive / repository / extended when given). A `batch` class (the Batch API's, after every other "
+        "class) is added when missing.",
     )
     pool_classes: dict[str, str] = Field(
         default_factory=dict, description="Pool name → the class of the requests it serves by default. Unlisted "
@@ -650,6 +663,8 @@ class TrafficConfig(_Strict):
         bad = [name for name in classes if not re.fullmatch(_NAME_PATTERN, name)]
         if bad:
             raise ValueError(f"class names may use letters, digits, '_', '.', '-' (1-64 characters): {bad}")
+        if BATCH_CLASS not in classes:
+            classes = {**classes, BATCH_CLASS: _builtin_batch_class(classes)}
         return classes
 
     @model_validator(mode="after")
@@ -812,6 +827,52 @@ class CapacityConfig(_Strict):
     )
 
 
+_DURATION = r"^[1-9][0-9]*[smhd]$"
+
+
+class BatchConfig(_Strict):
+    """The OpenAI Batch API (/v1/files, /v1/batches; docs/batch.md): where jobs and files are kept, their limits,
+    and how their requests run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    enabled: bool = Field(default=True, description="Serve /v1/files and /v1/batches and run the jobs.")
+    store: str | None = Field(
+        default=None, pattern=r"^(sqlite:///.+|postgres(ql)?://.+)$",
+        description="sqlite:///PATH (one gateway) or postgresql://... (gateways sharing jobs through leases); unset: "
+        "sqlite in files_dir. Read at start.",
+    )
+    files_dir: str | None = Field(
+        default=None, description="Where uploaded and output files are kept (with PostgreSQL: a path every gateway "
+        "mounts); unset: a temporary folder removed when the gateway stops (jobs do not survive a restart). Read at "
+        "start.",
+    )
+    class_: str = Field(
+        default=BATCH_CLASS, alias="class", pattern=_NAME_PATTERN,
+        description="Traffic class of batch requests; the built-in `batch` class has the lowest priority.",
+    )
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0, description="Larger uploads get a 413.")
+    max_requests: int = Field(default=50_000, gt=0, description="Lines in one input file; more: a 413.")
+    completion_windows: list[str] = Field(
+        default_factory=lambda: ["24h"], min_length=1,
+        description="The completion_window values a batch may ask for (a number and s, m, h or d).",
+    )
+    max_in_flight: int = Field(default=64, gt=0, description="Batch requests in flight per gateway, all jobs.")
+    lease_s: float = Field(
+        default=30.0, gt=0, le=3600, description="A gateway renews its jobs' leases this often; one that stops "
+        "renewing (killed) loses its jobs to another gateway (or to itself restarted) after this long.",
+    )
+    poll_interval_s: float = Field(default=0.5, gt=0, le=60, description="How often the runner looks for work.")
+
+    @field_validator("completion_windows")
+    @classmethod
+    def _windows(cls, windows: list[str]) -> list[str]:
+        bad = [w for w in windows if not re.fullmatch(_DURATION, w)]
+        if bad:
+            raise ValueError(f"completion windows are a number and s, m, h or d (e.g. 24h); got {bad}")
+        return windows
+
+
 class GatewayConfig(_Strict):
     """Top of the config tree: `m3gate config schema` prints its JSON schema for editors."""
 
@@ -829,6 +890,7 @@ class GatewayConfig(_Strict):
     limits: InputLimitsConfig = Field(default_factory=InputLimitsConfig)
     sessions: SessionsConfig = Field(default_factory=SessionsConfig)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="after")
     def _pools_consistent(self) -> GatewayConfig:
@@ -853,6 +915,9 @@ class GatewayConfig(_Strict):
             missing = [p for p in key.pools or () if p not in pools]
             if missing:
                 problems.append(f"API key '{key.name}' allows unknown pool(s) {missing}; configured: {sorted(pools)}")
+        if self.batch.class_ not in classes:
+            problems.append(f"batch.class names unknown traffic class '{self.batch.class_}'; "
+                            f"defined: {sorted(classes)}")
         if self.admin.api_key is not None:
             admin_hash = hashlib.sha256(self.admin.api_key.get_secret_value().encode()).hexdigest()
             if any(hmac.compare_digest(k.key_sha256, admin_hash) for k in self.access.all_keys()):

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.config import GatewayConfig, PoolConfig
+from policies.config import BATCH_CLASS, GatewayConfig, PoolConfig
 from policies.launch import AMD, NATIVE_CONTEXT
 from policies.traffic import pool_class
 
@@ -186,6 +186,8 @@ def build_contract(config: GatewayConfig) -> Contract:
     pools = config.pools_by_size()
     classes = []
     for name, cls in sorted(config.traffic.classes.items(), key=lambda kv: (kv[1].priority, kv[0])):
+        if name == BATCH_CLASS:  # the Batch API's: bound by completion windows, not latency targets
+            continue
         served = [_pool_terms(p) for p in pools if pool_class(config.traffic, pools, p.name) == name]
         targets = [Target(metric, pct, ms) for metric, items in cls.latency_targets().items() for pct, ms in items]
         classes.append(ClassTerms(name, cls.priority, served, targets, cls.max_concurrency, cls.queue_length,
@@ -472,6 +474,8 @@ def slo_rules(config: GatewayConfig, bounds: Mapping[str, Sequence[float]]) -> d
     recording: list[dict[str, Any]] = []
     alerts: list[dict[str, Any]] = []
     for cls_name, cls in sorted(config.traffic.classes.items()):
+        if cls_name == BATCH_CLASS:
+            continue
         for metric, items in cls.latency_targets().items():
             series = METRIC_SERIES[metric]
             for pct, ms in items:

@@ -15,7 +15,7 @@ from typing import Any
 
 from policies.errors import RequestRejected
 from policies.pool_choice import FORCED_POOL_HEADER, PoolChoice
-from policies.config import ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficConfig
+from policies.config import BATCH_CLASS, ApiKeyConfig, InputLimitsConfig, PoolConfig, TrafficConfig
 
 CLASS_HEADER = "x-m3gate-class"
 SLO_TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's names for per-request latency objectives
@@ -32,7 +32,9 @@ def pool_class(traffic: TrafficConfig, pools_by_size: Sequence[PoolConfig], pool
         return traffic.pool_classes[pool]
     if pool in traffic.classes:
         return pool
-    ranked = sorted(traffic.classes, key=lambda name: (traffic.classes[name].priority, name))
+    # a background class (the Batch API's among them) is never a pool's default: it only fills spare capacity
+    ranked = sorted((c for c, cfg in traffic.classes.items() if c != BATCH_CLASS and not cfg.background),
+                    key=lambda name: (traffic.classes[name].priority, name)) or [BATCH_CLASS]
     rank = next((i for i, p in enumerate(pools_by_size) if p.name == pool), 0)
     return ranked[min(rank, len(ranked) - 1)]
 

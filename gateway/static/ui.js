@@ -345,6 +345,27 @@ function renderSessions(data) {
     `${data.open_sessions ?? (data.open || []).length} open`), table(SESSION_COLUMNS, rows));
 }
 
+const BATCH_COLUMNS = [
+  ["batch", null, "the batch id"], ["owner", null, "the API key that created it"], ["status", null, "validating, in_progress, finalizing or cancelling"],
+  ["done", "num", "lines finished (completed + failed) of the total"], ["lines/s", "num", "over the last minute"],
+  ["predicted finish", "num", "when the lines left end at the current rate"], ["deadline", "num", "the end of its completion window"],
+];
+
+function renderBatch(jobs) {
+  const box = document.getElementById("batch");
+  if (!jobs) { box.replaceChildren(h("p", { class: "mute" }, "The Batch API is off (batch.enabled: false).")); return; }
+  if (!jobs.length) { box.replaceChildren(h("p", { class: "mute" }, "No active batch jobs.")); return; }
+  const when = (t) => (t == null ? "–" : fmt.time(t));
+  const rows = jobs.map((j) => h("tr", { class: "batch-job" }, [
+    h("td", {}, j.id), h("td", {}, j.owner || "—"), h("td", {}, j.status),
+    h("td", { class: "num" }, `${fmt.num(j.completed + j.failed)} / ${fmt.num(j.total)}`),
+    h("td", { class: "num" }, String(j.lines_per_s)),
+    h("td", { class: j.predicted_finish && j.predicted_finish > j.expires_at ? "num error" : "num" }, when(j.predicted_finish)),
+    h("td", { class: "num" }, when(j.expires_at)),
+  ]));
+  box.replaceChildren(table(BATCH_COLUMNS, rows));
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 
 // Whether this client may read /ui/state, and with which key: GET /ui/access answers 200 either way.
@@ -400,6 +421,7 @@ async function poll() {
     renderHistory(s.classes);
     renderRecent(s.recent);
     renderSessions(s.sessions);
+    renderBatch(s.batch);
     interval = Math.max(500, Math.min(2000, 500 * s.health_interval_s));
     setLive("live", "live", `redrawn every ${(interval / 1000).toFixed(1)} s from GET /ui/state`);
     const updated = document.getElementById("updated");

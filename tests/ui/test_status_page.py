@@ -159,6 +159,7 @@ def test_every_pool_and_replica_is_shown(page: Page, stack: tuple[GatewayProcess
     assert set(page.attrs("div.pool", "data-pool")) == {"interactive", "repository"}
     assert "ceiling 32K tokens" in page.texts("#pool-interactive")[0]
     assert set(page.attrs("tr.traffic-class", "data-class")) == {"interactive", "repository", "batch"}
+    assert page.texts("#batch") == ["No active batch jobs."]  # the Batch API's panel
     # each pool's capacity signal: "sizing…" for the first window, then the replicas running, and once the
     # stabilization window has passed the replicas it needs (idle: the minimum)
     page.wait("each pool's capacity signal", lambda: page.attrs("#pool-interactive span.capacity", "data-desired")

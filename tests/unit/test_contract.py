@@ -108,7 +108,7 @@ def test_ui_state_needs_the_admin_key_and_shows_pools_classes_and_reload() -> No
     state = client.get("/ui/state", headers={"authorization": "Bearer " + "k" * 20}).json()
     assert [p["name"] for p in state["pools"]] == ["short", "long"]
     assert len(state["pools"][0]["replicas"]) == 2 and state["pools"][1]["launch_replicas"] == 3
-    assert {c["name"] for c in state["classes"]} == {"interactive", "extended"}
+    assert {c["name"] for c in state["classes"]} == {"interactive", "extended", "batch"}  # batch: the Batch API's
     assert state["reload"]["ok"] is True and state["sessions_api"] is True  # GET /admin/sessions exists
     assert state["latency"]["enabled"] is True and state["recent"] == []
 
