@@ -12,9 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtests import bench_autoscale
-from loadtests.autoscale import CLASS_HEADER, MODEL, Actuator, Timescale, gateway_config
-from loadtests.replicas import GatewayProc, wait_gateway_sees
+from loadtests.bench import autoscale as bench_autoscale
+from loadtests.lib.autoscale import CLASS_HEADER, MODEL, Actuator, Timescale, gateway_config
+from loadtests.lib.replicas import GatewayProc, wait_gateway_sees
 
 FAST_SIM = ("--prefill-us-per-token", "20", "--decode-ms-per-step", "2", "--mean-output-tokens", "4")
 STARTUP_S = 3.0
