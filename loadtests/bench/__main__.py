@@ -1,24 +1,25 @@
-"""`make bench`: a short version of every benchmark, results under loadtests/results/, a summary table at the end.
+"""`make bench`: a short version of every benchmark, each writing its results.json (loadtests/lib/results.py), and
+one table read from those files at the end.
 
     python -m loadtests.bench [--quick] [--skip NAME ...]
+    python -m loadtests.bench --list            every benchmark in loadtests/bench/, one line each
 
 1. harness self-check: the `smoke` workload through a gateway in front of 2 simulated replicas (report + plots);
 2. gateway overhead (loadtests.bench.overhead);
 3. routing policies on the agent trace (loadtests.bench.policies);
-4. the other engineers' hot-path benchmarks when their modules exist (bench_classify, bench_routing, bench_ui), with `--quick`
-   when they offer it, else small arguments, each with a time limit.
+4. the hot-path benchmarks: the gateway's pure steps (loadtests.bench.hotpath), classification
+   (loadtests.bench.classify), replica choice (loadtests.bench.routing), the status page (loadtests.bench.ui).
 
-Each part runs as its own process with a timeout, so one failure or hang does not stop the rest. `--quick` (what
-`make bench` uses) keeps the whole under about five minutes.
+Each part runs as its own process with a timeout and `--out <folder>/<part>`, so one failure or hang does not stop
+the rest. `--quick` (what `make bench` uses) keeps the whole under about five minutes.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import ast
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -26,26 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.lib.harness import run_dir
+from loadtests.lib.results import FILE, read, table
 
-# other engineers' benches: (module, quick arguments when it has no --quick flag, timeout s)
-OTHERS: list[tuple[str, list[str], int]] = [
-    ("loadtests.bench.classify", ["--sizes", "1000,32000,128000", "--requests", "2", "--repeats", "5"], 90),
-    ("loadtests.bench.routing", ["--iterations", "3000", "--rounds", "1"], 90),
-    ("loadtests.bench.ui", ["--refreshes", "200", "--requests", "30"], 120),
-]
+# the hot-path benches: (name, time limit s)
+OTHERS: list[tuple[str, int]] = [("hotpath", 60), ("classify", 90), ("routing", 90), ("ui", 120)]
 OWN = ("harness", "overhead", "policies")
-
-
-def _exists(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def _has_quick(module: str) -> bool:
-    try:
-        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return False
-    return "--quick" in out.stdout
 
 
 def _run(name: str, cmd: list[str], timeout: int, log: Path) -> dict[str, Any]:
@@ -89,51 +75,37 @@ def _run(name: str, cmd: list[str], timeout: int, log: Path) -> dict[str, Any]:
             "log": str(log)}
 
 
-def _pass_fail(output: str) -> tuple[int, int]:
-    return (len(re.findall(r"^PASS\b", output, re.M)), len(re.findall(r"^FAIL\b", output, re.M)))
+def benches() -> list[tuple[str, str]]:
+    """Every benchmark module here with the first line of its docstring."""
+    out = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        if not path.stem.startswith("_"):
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            out.append((path.stem, doc.strip().splitlines()[0] if doc.strip() else ""))
+    return out
 
 
-def _key_lines(name: str, output: str) -> str:
-    """A one-line result for the summary table."""
-    if name == "harness":
-        m = re.search(r"\*\*overall\*\* \| (\d+) \| (\d+) \| (\d+) \|", output)
-        hit = re.search(r"/metrics: ([\d.]+%)", output)
-        return (f"{m.group(2)}/{m.group(1)} ok, cache hit {hit.group(1) if hit else '?'}" if m else "no report")
-    if name == "overhead":
-        parts = []
-        for pat, label in ((r"added latency p50 ≤ 1 ms at c=32 \(non-stream\): ([-\d.]+ ms)", "added p50 c=32"),
-                           (r"added latency p99 ≤ 3 ms at c=32 \(non-stream\): ([-\d.]+ ms)", "p99"),
-                           (r"per gateway core \(non-stream, c=32\): (\d+) req/CPU-s", "req/CPU-s"),
-                           (r"\(paced, c=64\): (\d+) events/CPU-s", "events/CPU-s"),
-                           (r"open, peak RSS (\d+ MiB)", "RSS")):
-            m = re.search(pat, output)
-            if m:
-                parts.append(f"{label} {m.group(1)}")
-        return ", ".join(parts)
-    if name == "policies":
-        parts = []
-        for mode in ("round_robin", "least_loaded", "prefix_affinity", "direct"):
-            m = re.search(rf"^\| {mode} \| ([\d.]+%) \| [^|]+\| [\d.]+ / ([\d.]+) /", output, re.M)
-            if m:
-                parts.append(f"{mode} hit {m.group(1)} TTFT p95 {m.group(2)} ms")
-        return "; ".join(parts)
-    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-    return (lines[-1][:140] if lines else "")
+def summary(rows: list[dict[str, Any]], folder: Path, total: float) -> str:
+    """One table from the parts' results.json; a part that wrote none (crashed, timed out) gets a row saying so."""
+    runs, missing = [], []
+    for row in rows:
+        path = folder / row["bench"] / FILE
+        try:
+            runs.append({**read(path), "name": row["bench"]})
+        except (OSError, ValueError) as exc:
+            missing.append(f"| {row['bench']} | no {FILE} ({row['status']}: {type(exc).__name__}) | | | | |")
+    status = ", ".join(f"{r['bench']} {r['status']} {r['seconds']:.0f} s" for r in rows)
+    body = table(runs) + ("\n" + "\n".join(missing) if missing else "")
+    return f"\n## make bench ({total:.0f} s; results in {folder})\n\n{body}\n\nRuns: {status}\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the short version (make bench)")
-    parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: harness overhead policies others")
-    args = parser.parse_args(argv)
-    folder = run_dir("bench")
-    folder.mkdir(parents=True, exist_ok=True)
+def _plan(args: argparse.Namespace, folder: Path) -> list[tuple[str, list[str], int]]:
     py = [sys.executable, "-m"]
     quick = ["--quick"] if args.quick else []
     plan: list[tuple[str, list[str], int]] = []
     if "harness" not in args.skip:
         plan.append(("harness", [*py, "loadtests", "run", "smoke", "--sims", "2", "--sim-args", "--speed 20",
-                                 "--out", str(folder / "smoke"), "--progress" if sys.stderr.isatty() else
+                                 "--out", str(folder / "harness"), "--progress" if sys.stderr.isatty() else
                                  "--no-progress"], 90))
     if "overhead" not in args.skip:
         plan.append(("overhead", [*py, "loadtests.bench.overhead", *quick, "--no-profile", "--out",
@@ -142,31 +114,38 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("policies", [*py, "loadtests.bench.policies", *quick, "--out", str(folder / "policies")],
                      240 if args.quick else 1800))
     if "others" not in args.skip:
-        for module, fallback, limit in OTHERS:
-            if _exists(module):
-                extra = ["--quick"] if _has_quick(module) else fallback
-                plan.append((module.split(".")[-1], [*py, module, *(extra if args.quick else [])], limit))
+        for name, limit in (o for o in OTHERS if o[0] not in args.skip):
+            plan.append((name, [*py, f"loadtests.bench.{name}", *quick, "--out", str(folder / name)],
+                         limit if args.quick else 10 * limit))
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the short version (make bench)")
+    parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: harness overhead policies others (or one of them: hotpath classify routing ui)")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, line in benches():
+            print(f"python -m loadtests.bench.{name:18s} {line}")
+        return 0
+    folder = run_dir("bench")
+    folder.mkdir(parents=True, exist_ok=True)
     results = []
     t0 = time.monotonic()
-    for name, cmd, limit in plan:
+    for name, cmd, limit in _plan(args, folder):
         results.append(_run(name, cmd, limit, folder / f"{name}.log"))
     total = time.monotonic() - t0
     rows = []
     for r in results:
-        passed, failed = _pass_fail(r["output"])
         if r["rc"] == 1 and "Traceback (most recent call last)" in r["output"]:
             r["status"] = "crashed"
-        elif r["rc"] == 1 and failed:
+        elif r["rc"] == 1:
             r["status"] = "ran (targets missed)"
-        rows.append({"bench": r["name"], "status": r["status"], "seconds": round(r["seconds"], 1),
-                     "pass": passed, "fail": failed, "result": _key_lines(r["name"], r["output"]), "log": r["log"]})
+        rows.append({"bench": r["name"], "status": r["status"], "seconds": round(r["seconds"], 1), "log": r["log"]})
     (folder / "summary.json").write_text(json.dumps({"total_s": total, "rows": rows}, indent=2))
-    lines = ["", f"## make bench summary ({total:.0f} s; results in {folder})", "",
-             "| bench | status | s | checks PASS/FAIL | result |", "|---|---|---|---|---|"]
-    for row in rows:
-        checks = f"{row['pass']}/{row['fail']}" if row["pass"] or row["fail"] else "–"
-        lines.append(f"| {row['bench']} | {row['status']} | {row['seconds']:.0f} | {checks} | {row['result']} |")
-    text = "\n".join(lines) + "\n"
+    text = summary(rows, folder, total)
     (folder / "summary.md").write_text(text)
     print(text)
     # a benchmark that crashed or hung fails `make bench`; missed targets are results, shown in the table

@@ -4,8 +4,9 @@
 tool calls and results, a few huge pasted files) of about 1K, 32K, 128K and 1M tokens from varied real text — Python
 source, English docstrings, JSON records, Chinese and Japanese prose — then times `classify` + `choose_pool` with
 the current token counter and compares with what a full exact count of the same text would cost; `--against DIR`
-times another checkout's counter (its policies/tokens.py, loadtests/lib/against.py) interleaved on the same chats. The target is ≤ 3 ms p50 cold at every size up to
-1M tokens, with the pool chosen from the estimate the one chosen from the exact count (or a /tokenize asked first).
+times another checkout's counter (its policies/tokens.py, loadtests/lib/against.py) interleaved on the same chats.
+The target is ≤ 3 ms p50 cold at every size up to 1M tokens, with the pool chosen from the estimate the one chosen
+from the exact count (or a /tokenize asked first).
 `--long` measures the gateway's CPU per cold long chat end to end instead (loadtests/bench/classify_http.py).
 
 The text builders are also used by the unit tests to make prompts of an intended size.
@@ -20,12 +21,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from loadtests.lib.against import checkout, token_counter
 from loadtests.lib.agent_corpus import TextCorpus, agent_chat
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import choose_pool
@@ -61,7 +65,8 @@ def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counte
 def run(sizes: list[int], requests: int, repeats: int, seed: int, cfg: ClassificationConfig | None = None,
         against: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per size and counter ("new": policies.tokens; each of `against`, a label → another checkout's
-    TokenCounter class, on the same chats, interleaved): cold and warm-cache timings, the full exact count's cost, the estimate's error and stated bound, and
+    TokenCounter class, on the same chats, interleaved): cold and warm-cache timings, the full exact count's cost,
+    the estimate's error and stated bound, and
     whether the pool chosen from the estimate is the one chosen from the exact count (or a /tokenize is asked)."""
     cfg = cfg or ClassificationConfig()
     exact_cfg = cfg.model_copy(update={"full_count_below_chars": 10**12})  # the same render, fully tokenized
@@ -149,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--full-count-below-chars", type=int, default=None,
                         help="set classification.full_count_below_chars (where sampling starts) for every counter")
+    parser.add_argument("--quick", action="store_true", help="1K, 32K and 128K tokens, 2 requests, 5 repeats")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-classify)")
     parser.add_argument("--against", action="append", default=[], metavar="DIR",
                         help="another checkout (e.g. a git worktree) whose token counter is timed beside this one's")
     parser.add_argument("--long", action="store_true",
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return http_main([a for a in argv if a != "--long"])
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.requests, args.repeats = "1000,32000,128000", 2, 5
     cfg = ClassificationConfig()
     if args.full_count_below_chars:
         cfg = cfg.model_copy(update={"full_count_below_chars": args.full_count_below_chars})
@@ -179,7 +188,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['p99_ms']:>8.3f} {r['warm_p50_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['worst_error']:>+7.2%} "
               f"{r['max_bound']:>6.1%} {str(r['sampled']):>7}  {r['pool']:<12} {r['same_pool']:>5} "
               f"{r['tokenize']:>4} ({r['exact_tokenize']})")
+    print(f"results: {write_results(rows, args)}")
     return 0
+
+
+def write_results(rows: list[dict[str, Any]], args: argparse.Namespace) -> Path:
+    """results.json: per size, this checkout's cold p50 against the ≤ 3 ms goal beside the exact count's cost, and
+    whether the pool chosen matches the exact count's; another counter's p50 beside it."""
+    results = Results("classify", vars(args), reference="a full exact count of the same chats")
+    for r in rows:
+        size = f"{r['tokens']:,} tokens"
+        if r["counter"] == "new":
+            results.add(f"classify + choose_pool p50 cold, {size}", r["p50_ms"], "ms", at_most=3.0,
+                        reference="exact count", reference_value=r["exact_ms"])
+            same, total = map(int, r["same_pool"].split("/"))
+            results.add(f"pool as from the exact count, {size}", 100 * same / total, "%", at_least=100)
+        else:
+            results.add(f"{r['counter']}'s counter p50 cold, {size}", r["p50_ms"], "ms")
+    folder = args.out or run_dir("classify")
+    results.write(folder)
+    return folder
 
 
 if __name__ == "__main__":

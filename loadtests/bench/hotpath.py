@@ -1,6 +1,6 @@
 """Per-request CPU of the gateway's own pure steps, in-process: µs per call for a typical short chat request.
 
-    python -m loadtests.bench.hotpath [--repeats 7] [--budget-ms 40]
+    python -m loadtests.bench.hotpath [--repeats 7] [--budget-ms 40] [--quick] [--out DIR]
 
 End-to-end CPU figures (loadtests.bench.overhead) are too noisy on a small shared machine to see a step of a few µs
 move; this times each step alone with `timeit` (best of `--repeats`, each repeat about `--budget-ms` long) on the
@@ -17,6 +17,7 @@ import argparse
 import itertools
 import timeit
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -26,6 +27,8 @@ from gateway.access import ANONYMOUS, check_header_size
 from gateway.coordinator import Coordinator
 from gateway.runtime import Gateway
 from gateway.record import RequestRecord
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from policies.admission import pool_saturated
 from policies.classify import classify
 from policies.pool_choice import choose_pool
@@ -170,13 +173,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.hotpath", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget-ms", type=float, default=40.0)
+    parser.add_argument("--quick", action="store_true", help="3 repeats of 10 ms each")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-hotpath)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.budget_ms = 3, 10.0
     gw = Gateway(config())
     rows = [(name, bench(fn, args.repeats, args.budget_ms / 1000)) for name, fn in steps(gw).items()]
     width = max(len(name) for name, _ in rows)
     print(f"{'step':<{width}}  µs/call (best of {args.repeats})")
     for name, us in rows:
         print(f"{name:<{width}}  {us:8.2f}")
+    results = Results("hotpath", vars(args), reference="none: each step's own CPU time, best of the repeats")
+    for name, us in rows:
+        results.add(name, us, "µs")
+    folder = args.out or run_dir("hotpath")
+    results.write(folder)
+    print(f"results: {folder}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from loadtests.lib.replicas import (
     sim_pool,
     wait_gateway_sees,
 )
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Item
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -815,9 +816,43 @@ def main(argv: list[str] | None = None) -> int:
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    results_of(result, args).write(folder)
     print(text)
     print(f"results: {folder}")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+def results_of(r: dict[str, Any], args: argparse.Namespace) -> Results:
+    """The targets (added latency, requests and relayed events per gateway core, open streams' memory) and the
+    Rust router's CPU per request beside m3gate's, in the one results format."""
+    results = Results("overhead", vars(args), reference="the same requests sent to the replicas directly, same run")
+    c32 = r.get("nonstream_c32") or {}
+    if c32:
+        direct = c32["direct"]
+        results.add("added latency p50 at c=32 (non-stream)", c32.get("added_p50_ms"), "ms", at_most=1.0,
+                    reference="direct p50", reference_value=direct.get("p50_ms"))
+        results.add("added latency p99 at c=32 (non-stream)", c32.get("added_p99_ms"), "ms", at_most=3.0,
+                    reference="direct p99", reference_value=direct.get("p99_ms"))
+        results.add("requests per gateway CPU-second (non-stream, c=32)", c32["gateway"].get("req_per_cpu_s"),
+                    "req/CPU-s", at_least=2000)
+    paced = (r.get("stream_paced_c64") or {})
+    if paced:
+        results.add("relayed SSE events per gateway CPU-second (paced, c=64)", paced["gateway"].get("events_per_cpu_s"),
+                    "events/CPU-s", at_least=20000)
+        results.add("ITL added p99 (paced, c=64)", paced.get("added_itl_p99_ms"), "ms")
+    if "open_streams" in r:
+        o = r["open_streams"]
+        results.add("concurrent open streams", o["opened"], "streams", at_least=args.open_streams)
+        results.add("gateway RSS peak with them open", o["gw_rss_peak_mib"], "MiB", at_most=1024)
+    for mode, kinds in ((r.get("reference") or {}).get("modes") or {}).items():
+        for key, label, _stream, conc in REFERENCE_KINDS:
+            res = kinds.get(key) or {}
+            mine = (res.get("m3gate") or {}).get("cpu_ms_per_req_median")
+            rust = (res.get("sglang-router") or {}).get("cpu_ms_per_req_median")
+            if mine and rust and conc > 1:  # the target is about load; at c=1 idle wake-ups dominate
+                results.add(f"CPU per request ({label}, {mode})", mine, "ms", reference="SGLang router",
+                            reference_value=rust, goal="≤ 2× the reference", passed=mine <= 2 * rust)
+    return results
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from loadtests.lib.harness import execute, run_dir
 from loadtests.lib.oracle import oracle_hit_rates, token_structure
 from loadtests.lib.replicas import GatewayProc, gateway_config, sim_pool, wait_gateway_sees
 from loadtests.lib.report import routing_reasons
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Plan, build_plan, load_workload
 from loadtests.lib.workload_mix import agent_turns, lognormal
 
@@ -323,6 +324,29 @@ def summary_text(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_of(result: dict[str, Any], args: argparse.Namespace) -> Results:
+    """Per load level: prefix_affinity's hit rate beside the oracle's and its TTFT p95 beside round_robin's (the
+    targets), its busiest replica over the mean, and the failed requests, in the one results format."""
+    results = Results("policies", vars(args), reference="round_robin and the oracle's hit rate, same run")
+    for level in result["levels"]:
+        rows, at = level["rows"], f"speed {level['speed']:g}"
+        if "prefix_affinity" not in rows or "round_robin" not in rows:
+            continue
+        pa, rr = rows["prefix_affinity"], rows["round_robin"]
+        hit, oracle = pa["hit_rate"], pa["oracle_session"]
+        results.add(f"prefix_affinity hit rate, {at}", None if hit is None else 100 * hit, "%",
+                    reference="oracle (session)", reference_value=None if oracle is None else 100 * oracle,
+                    goal="≥ 0.95 × the oracle", passed=hit is not None and oracle is not None and hit >= 0.95 * oracle)
+        p95, rr95 = pa["ttft_p95"], rr["ttft_p95"]
+        results.add(f"prefix_affinity TTFT p95, {at}", p95, "ms", reference="round_robin", reference_value=rr95,
+                    goal="≤ 0.5 × round_robin's", passed=p95 is not None and rr95 is not None and p95 <= 0.5 * rr95)
+        results.add(f"prefix_affinity busiest replica / mean (requests), {at}", pa["max_over_mean"], "×",
+                    at_most=1.5)
+        results.add(f"failed requests, every mode, {at}", sum(r["failed"] for r in rows.values()), "requests",
+                    at_most=0)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -350,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {k: json.loads(v) for k, _, v in (p.partition("=") for p in args.policy_param)}
     result = run(args.quick, args.rounds, args.workload, Path(args.out) if args.out else None, args.progress,
                  speeds, tuple(args.modes), args.kv_blocks, params)
+    results_of(result, args).write(Path(result["folder"]))
     return 0 if all(c["ok"] for level in result["levels"] for c in level["checks"]) else 1
 
 

@@ -237,10 +237,19 @@ def against(other: Path, args: argparse.Namespace) -> int:
                            "per_repeat_ratio_p50": per})
             print(f"{replicas:>8} {step:<18} {n50:>8.1f} / {n99:<8.1f} {o50:>8.1f} / {o99:<8.1f} "
                   f"{n50 / o50:>7.2f} / {n99 / o99:<7.2f}   {', '.join(f'{x:.2f}' for x in per)}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"against": str(other), "repeats": args.repeats, "rows": result},
-                                             indent=2))
     ok = worst <= 1.5
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "against.json").write_text(json.dumps({"against": str(other), "repeats": args.repeats,
+                                                                 "rows": result}, indent=2))
+        from loadtests.lib.results import Results
+
+        results = Results("routing", vars(args), reference=f"the same steps with {other}'s code, same run")
+        for row in result:
+            results.add(f"{row['step']} p50, {row['replicas']} replicas", row["new_p50_us"], "µs",
+                        reference=str(other.name), reference_value=row["old_p50_us"])
+        results.add("choose p50 this ÷ other, worst replica count", worst, "×", at_most=1.5)
+        results.write(Path(args.out))
     print(f"{'PASS' if ok else 'FAIL'}  choose p50 new ÷ old ≤ 1.5 at every replica count: worst {worst:.2f}")
     return 0 if ok else 1
 
@@ -257,10 +266,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="A/B against another checkout (e.g. `git worktree add ../base COMMIT`): prefix_affinity "
                              "only, alternating subprocesses, ratios new ÷ old")
     parser.add_argument("--repeats", type=int, default=5, help="with --against: runs of each side, alternated")
-    parser.add_argument("--out", help="with --against: write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true", help="a short run: 3,000 iterations, one round")
+    parser.add_argument("--out", help="results folder: results.json (with --against also against.json)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.iterations, args.rounds = 3000, 1
     if args.against is not None:
         sys.exit(against(args.against, args))
+    rows = []
 
     steps = STEPS
     if not args.json:
@@ -268,11 +281,25 @@ def main(argv: list[str] | None = None) -> None:
     for policy_name in args.policies:
         for replicas in args.replicas:
             result = bench(policy_name, replicas, args.iterations, args.prompt_tokens, args.rounds)
+            rows.append((policy_name, replicas, result))
             if args.json:
                 print(json.dumps(result))
             else:
                 cells = " ".join(f"{result[s]['p50_us']:>13.1f} / {result[s]['p99_us']:<12.1f}" for s in steps)
                 print(f"{policy_name:<16} {replicas:>8} {cells}   reasons={result['reasons']}")
+    if args.out:
+        print(f"results: {write_results(rows, args)}")
+
+
+def write_results(rows: list[tuple[str, int, dict[str, Any]]], args: argparse.Namespace) -> Path:
+    """results.json (imported here: the --against subprocesses run this file on another checkout's code)."""
+    from loadtests.lib.results import Results
+
+    results = Results("routing", vars(args), reference="none: each step's own time on this machine")
+    for policy_name, replicas, result in rows:
+        results.add(f"{policy_name} choose p99, {replicas} replicas", result["choose"]["p99_us"], "µs", at_most=100)
+        results.add(f"{policy_name} total p50, {replicas} replicas", result["total"]["p50_us"], "µs")
+    return results.write(Path(args.out))
 
 
 if __name__ == "__main__":

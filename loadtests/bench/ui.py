@@ -5,7 +5,7 @@
 2. Per refresh, a real gateway process in front of simulated pools (3 pools × 2 replicas, histograms and the ring
    filled by streamed requests): the gateway's CPU time (user + system, from /proc) over N GET /ui/state, divided
    by N, and the JSON's size; then its CPU over the same wall time with the page closed and no traffic.
-Results: printed, and loadtests/results/bench_ui.json.
+Results: printed, and results.json + bench_ui.json in the run's folder (`--out`, default loadtests/results/).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import httpx
 from gateway.cli.launcher import start_gateway
 from gateway.record import RequestRecord
 from gateway.observability.recent import RecentRequests
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -100,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--refreshes", type=int, default=500)
     parser.add_argument("--requests", type=int, default=80, help="streamed requests before measuring")
+    parser.add_argument("--quick", action="store_true", help="200 refreshes after 30 requests")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-ui)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.refreshes, args.requests = 200, 30
     ring = bench_ring()
     print(f"RecentRequests.add per request: page closed +{ring['closed_ns']} ns, open +{ring['open_ns']} ns "
           f"(an empty call {ring['empty_call_ns']} ns)")
@@ -108,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GET /ui/state: {refresh['cpu_ms_per_refresh']} ms of gateway CPU per refresh "
           f"({refresh['state_bytes']} bytes, {refresh['wall_ms_per_refresh']} ms wall); "
           f"page closed, no traffic: {refresh['idle_cpu_percent_page_closed']}% of a core")
-    out = Path(__file__).resolve().parents[1] / "results" / "bench_ui.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"ring": ring, "refresh": refresh}, indent=2) + "\n")
-    print(f"results: {out}")
+    folder = args.out or run_dir("ui")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench_ui.json").write_text(json.dumps({"ring": ring, "refresh": refresh}, indent=2) + "\n")
+    results = Results("ui", vars(args), reference="an empty call (what the ring adds beyond it)")
+    results.add("RecentRequests.add per request, page closed", ring["closed_ns"], "ns")
+    results.add("RecentRequests.add per request, page open", ring["open_ns"], "ns")
+    results.add("gateway CPU per /ui/state refresh", refresh["cpu_ms_per_refresh"], "ms")
+    results.add("idle CPU, page closed, no traffic", refresh["idle_cpu_percent_page_closed"], "%")
+    print(f"results: {results.write(folder).parent}")
     print(f"status page: {refresh['cpu_ms_per_refresh']} ms CPU per refresh, ring +{ring['closed_ns']} ns closed / "
           f"+{ring['open_ns']} ns open per request")
     return 0

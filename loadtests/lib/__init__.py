@@ -1,1 +1,2 @@
-"""The load-test library: workloads, the client, the harness, reports and plots, the oracle, simulated replicas and reference proxies."""
+"""The load-test library: workloads, the client, the harness, reports and plots, the oracle, simulated replicas,
+reference proxies, and the one results format of the benchmarks (results.py)."""

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from loadtests.lib.client import Result, RunOutput, tpot_of
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Plan, Slo
 
 PERCENTILES = (50, 95, 99)
@@ -334,9 +335,10 @@ def session_markdown(s: Mapping[str, Any]) -> list[str]:
 
 def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan: Plan, *, plots: bool = True,
                  trace: bool = True) -> list[Path]:
-    """report.json, report.md, results.jsonl (one line per request), trace.jsonl (replayable) and PNG plots."""
+    """report.json, report.md, results.json (its headline figures, loadtests/lib/results.py), results.jsonl (one
+    line per request), trace.jsonl (replayable) and PNG plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = [report_results(report).write(out_dir)]
     p = out_dir / "report.json"
     p.write_text(json.dumps(report, indent=2, default=str))
     written.append(p)
@@ -364,6 +366,26 @@ def write_report(report: Mapping[str, Any], run: RunOutput, out_dir: Path, plan:
 
         written += write_plots(run, report, out_dir)
     return written
+
+
+def report_results(report: Mapping[str, Any]) -> Results:
+    """A run's headline figures in the one results format: requests completed of those sent, TTFT and end-to-end
+    latency, throughput, and the replicas' prefix-cache hit rate beside the oracle's (no goals: a load test run
+    reports; `--contract` judges)."""
+    o = report["overall"]
+    results = Results(f"run {report['workload']}", {"workload": report["workload"], "target": report["target"],
+                                                    "planned": report["planned"]},
+                      reference="the oracle's hit rate (each session on one replica, an infinite cache)")
+    results.add("requests completed", o["completed"], "requests", reference="sent", reference_value=o["requests"])
+    results.add("TTFT p50", o["ttft_ms"]["p50"], "ms")
+    results.add("TTFT p95", o["ttft_ms"]["p95"], "ms")
+    results.add("end-to-end latency p95", o["e2el_ms"]["p95"], "ms")
+    results.add("request throughput", o["request_throughput"], "req/s")
+    rate = (report.get("prefix_cache") or {}).get("rate")
+    oracle = (report.get("oracle") or {}).get("session")
+    results.add("prefix-cache hit rate (replicas' /metrics)", None if rate is None else 100 * rate, "%",
+                reference="oracle", reference_value=None if oracle is None else 100 * oracle)
+    return results
 
 
 def median_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
