@@ -9,7 +9,8 @@ client side, streamed chats of ~1,500 prompt tokens arriving at a steady rate):
    process of their own as real clients would be) arrives within about a second and saturates the repository pool
    (its class admits `--repo-concurrency` at a time; the rest wait in the gateway's queue).
 
-It prints p50/p95 of both and the ratio burst p95 / baseline p95; the target is at most 1.20.
+It prints p50/p95 of both and the ratio burst p95 / baseline p95; the target is at most 1.20 (results.json in
+`--out`, loadtests/lib/results.py; `--quick`: 8 s phases).
 `--no-admission` runs the burst with the repository class limit lifted, for comparison.
 tests/integration/test_traffic_control_isolation.py runs a shorter version and asserts the target.
 """
@@ -22,13 +23,17 @@ import math
 import multiprocessing
 import random
 import string
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from gateway.cli.launcher import start_gateway
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from pools.sim.launcher import running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -199,7 +204,18 @@ def run(*, rate: float = 8.0, seconds: float = 10.0, burst: int = 32, repo_concu
             gw.stop()
 
 
-def main() -> None:
+def results_of(result: IsolationResult, args: argparse.Namespace) -> Results:
+    """Interactive TTFT during the burst beside the baseline's, and the ratio's target, in the one results format."""
+    out = Results("isolation", vars(args), reference="interactive TTFT without the burst, same run")
+    out.add("interactive TTFT p95 during the burst", result.pct(result.burst, 0.95) * 1000, "ms",
+            reference="baseline", reference_value=result.pct(result.baseline, 0.95) * 1000)
+    out.add("interactive TTFT p95, burst / baseline", result.ratio, "×", at_most=TARGET_RATIO)
+    out.add("long requests of the burst held in the gateway's queue", result.burst_sent - result.burst_upstream,
+            "requests", reference="sent", reference_value=result.burst_sent)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=8.0, help="interactive requests per second")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
@@ -207,11 +223,19 @@ def main() -> None:
     parser.add_argument("--repo-concurrency", type=int, default=4, help="repository class max_concurrency")
     parser.add_argument("--no-admission", action="store_true", help="lift the repository class limit")
     parser.add_argument("--speed", type=float, default=1.0, help="simulated replicas' speed (0.5: twice as slow)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="8 s phases")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-isolation)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds = 8.0
     result = run(rate=args.rate, seconds=args.seconds, burst=args.burst, speed=args.speed,
                  repo_concurrency=100_000 if args.no_admission else args.repo_concurrency)
     print(result.report())
+    folder = args.out or run_dir("isolation")
+    results_of(result, args).write(folder)
+    print(f"results: {folder}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

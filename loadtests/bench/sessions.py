@@ -1,6 +1,7 @@
 """What the session store costs: memory for many open sessions, and CPU per request.
 
-`python -m loadtests.bench.sessions [--sessions 100000] [--turns 4] [--iterations 200000]` prints:
+`python -m loadtests.bench.sessions [--sessions 100000] [--turns 4] [--iterations 200000] [--quick] [--out DIR]`
+prints (and writes results.json, loadtests/lib/results.py):
 
 - memory: `--sessions` open sessions, each after `--turns` turns with 2 tool calls per answer and a history key per
   turn (uuid4 session ids, the default key bounds), measured with tracemalloc (what the store allocated and keeps)
@@ -22,10 +23,13 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from policies.sessions import SessionIdentity, SseToolCallScanner, history_keys, identify, tool_result_ids, turn_kind
 from pools.sessions import SessionStore
 
@@ -218,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=200_000)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--quick", action="store_true", help="20,000 sessions, 20,000 iterations")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-sessions)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sessions, args.iterations = 20_000, 20_000
     t0 = time.perf_counter_ns()
     overhead = min(-(time.perf_counter_ns() - time.perf_counter_ns()) for _ in range(1000))
     print(f"(perf_counter_ns pair overhead ≈ {overhead / 1000:.3f} µs, included in every figure)")
@@ -229,7 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    folder = args.out or run_dir("sessions")
+    results_of(results, args).write(folder)
+    print(f"results: {folder}")
     return 0
+
+
+def results_of(results: dict[str, Any], args: argparse.Namespace) -> Results:
+    """The targets (< 150 MiB for 100k sessions, i.e. per session; p50 ≤ 10 µs per request) and the helpers'
+    costs, in the one results format."""
+    out = Results("sessions", vars(args), reference="none: the store's own memory and CPU")
+    memory = results["memory"]
+    out.add(f"memory per open session ({memory['sessions']:,} sessions, tracemalloc)", memory["bytes_per_session"],
+            "B", at_most=150 * MiB / 100_000)
+    for row in results["requests"]:
+        out.add(f"{row['name']} p50", row["p50_us"], "µs", at_most=10.0)
+    for row in results["helpers"]:
+        out.add(f"{row['name']} p50", row["p50_us"], "µs")
+    return out
 
 
 if __name__ == "__main__":
