@@ -1,6 +1,7 @@
 """What sharing routing state through Redis costs, and how fast it propagates.
 
-`python -m loadtests.bench.shared_state [--url redis://127.0.0.1:6379/7]` measures, with a real Redis:
+`python -m loadtests.bench.shared_state [--url redis://127.0.0.1:6379/7] [--quick] [--out DIR]` measures, with a
+real Redis (results.json in `--out`, loadtests/lib/results.py):
 
 - `on_dispatch`: the gateway's hot-path cost per request (a buffer append; target: a few µs p99);
 - `remote_in_flight`: the per-replica lookup made when building snapshots;
@@ -21,10 +22,13 @@ import json
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from policies.snapshot import RoutingRequest
 from pools.shared_state import RedisState, decode_batch, encode_batch, encode_dispatch
 
@@ -165,19 +169,42 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def results_of(rows: list[dict[str, Any]], args: argparse.Namespace) -> Results:
+    """Each row's p50 and p99 (µs; propagation in ms), in the one results format."""
+    out = Results("shared_state", vars(args), reference="none: each step's own cost against a real Redis")
+    for row in rows:
+        if "ms" in row:
+            out.add(f"{row['name']} p50", row["ms"]["p50"], "ms")
+            out.add(f"{row['name']} p99", row["ms"]["p99"], "ms")
+        elif "p50_us" in row:
+            out.add(f"{row['name']} p50", row["p50_us"], "µs")
+            out.add(f"{row['name']} p99", row["p99_us"], "µs")
+        else:
+            out.add(row["name"], row["mean_us"], "µs")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="redis://127.0.0.1:6379/7")
     parser.add_argument("--n", type=int, default=100_000, help="on_dispatch calls timed")
     parser.add_argument("--propagation", type=int, default=1000, help="dispatches timed end to end")
     parser.add_argument("--rate", type=float, default=500.0, help="A's dispatches per second")
     parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="10,000 calls, 200 dispatches end to end")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-shared_state)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.propagation = 10_000, 200
     rows = asyncio.run(main_async(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    folder = args.out or run_dir("shared_state")
+    results_of(rows, args).write(folder)
+    print(f"results: {folder}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
