@@ -1,6 +1,7 @@
 """What sharing the capacity signal's demand between gateways costs (`state: redis`), per tick of the signal.
 
-`python -m loadtests.bench.capacity_share [--url redis://127.0.0.1:6379/7] [--gateways 2 8] [--quick]` measures:
+`python -m loadtests.bench.capacity_share [--url redis://127.0.0.1:6379/7] [--gateways 2 8] [--quick] [--out DIR]`
+measures (results.json in DIR, loadtests/lib/results.py):
 
 - `tick, local`: one tick of a gateway sizing from its own demand (what `state: memory` does) — the baseline;
 - `measure (a local tick's first part)`: the gateway's own share, which a local tick builds too;
@@ -22,12 +23,15 @@ import asyncio
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from gateway.app import build_app
 from gateway.record import RequestRecord
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from policies.config import GatewayConfig
 from policies.demand_share import decode, encode, merge
 from pools.shared_state import RedisState
@@ -94,10 +98,10 @@ def _print(name: str, samples_us: list[float]) -> dict[str, Any]:
     return {"name": name, "p50_us": round(p50, 1), "p99_us": round(p99, 1)}
 
 
-def bench_cpu(gateways: list[int], n: int) -> bytes:
+def bench_cpu(gateways: list[int], n: int, rows: list[dict[str, Any]]) -> bytes:
     local = _Fed()
-    _print("tick, local", _timed(local, local.gw.capacity.tick, n))
-    _print("measure (a local tick's first part)", _timed(local, local.gw.capacity.measure, n))
+    rows.append(_print("tick, local", _timed(local, local.gw.capacity.tick, n)))
+    rows.append(_print("measure (a local tick's first part)", _timed(local, local.gw.capacity.measure, n)))
     blob = encode(local.gw.capacity.measure(local.now))
     print(f"share: {len(blob)} bytes (3 pools, 4 classes, signal memory of 4 pool roles)")
     for g in gateways:
@@ -110,11 +114,11 @@ def bench_cpu(gateways: list[int], n: int) -> bytes:
             merge([own, *(decode(b) for b in blobs)])
             encode(own)
 
-        _print(f"measure+encode+decode+merge ({g})", _timed(fed, merging, n))
+        rows.append(_print(f"measure+encode+decode+merge ({g})", _timed(fed, merging, n)))
     return blob
 
 
-async def bench_redis(url: str, gateways: list[int], n: int, blob: bytes) -> None:
+async def bench_redis(url: str, gateways: list[int], n: int, blob: bytes, rows: list[dict[str, Any]]) -> None:
     prefix = f"m3gate-bench:{uuid.uuid4().hex}:"
     try:
         for g in gateways:
@@ -134,7 +138,7 @@ async def bench_redis(url: str, gateways: list[int], n: int, blob: bytes) -> Non
                     got = await me.exchange_capacity(blob, 60)
                     samples.append((time.perf_counter() - start) * 1e6)
                     assert got is not None and len(got) == g, (g, got and len(got))
-                _print(f"exchange ({g} gateways)", samples)
+                rows.append(_print(f"exchange ({g} gateways)", samples))
             finally:
                 for s in states:
                     await s.stop()
@@ -146,16 +150,36 @@ async def bench_redis(url: str, gateways: list[int], n: int, blob: bytes) -> Non
         await client.aclose()
 
 
-def main() -> None:
+def results_of(rows: list[dict[str, Any]], share_bytes: int, args: argparse.Namespace) -> Results:
+    """Each step's p50 (the shared tick's beside the local measure it extends), the exchange's round trip and the
+    share's size, in the one results format."""
+    out = Results("capacity_share", vars(args), reference="a local tick (state: memory), same run")
+    local = {row["name"]: row["p50_us"] for row in rows}.get("measure (a local tick's first part)")
+    for row in rows:
+        beside: dict[str, Any] = ({"reference": "measure alone", "reference_value": local}
+                                  if row["name"].startswith("measure+") else {})
+        out.add(f"{row['name']} p50", row["p50_us"], "µs", **beside)
+        out.add(f"{row['name']} p99", row["p99_us"], "µs")
+    out.add("share size", share_bytes, "B")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="redis://127.0.0.1:6379/7")
     parser.add_argument("--gateways", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-capacity_share)")
+    args = parser.parse_args(argv)
     n = 50 if args.quick else 300
-    blob = bench_cpu(args.gateways, n)
-    asyncio.run(bench_redis(args.url, args.gateways, n, blob))
+    rows: list[dict[str, Any]] = []
+    blob = bench_cpu(args.gateways, n, rows)
+    asyncio.run(bench_redis(args.url, args.gateways, n, blob, rows))
+    folder = args.out or run_dir("capacity_share")
+    results_of(rows, len(blob), args).write(folder)
+    print(f"results: {folder}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
