@@ -1,7 +1,7 @@
 """What telemetry costs the gateway: CPU per request with metrics and tracing on vs off.
 
 `python -m loadtests.bench.telemetry [--requests 2000] [--rounds 12] [--sessions 3] [--concurrency 8]
-[--max-tokens 16]`
+[--max-tokens 16] [--quick] [--out DIR]` (results.json and bench_telemetry.json in DIR, loadtests/lib/results.py)
 
 The modes (`modes`): telemetry off, metrics only, metrics + tracing sampled at 1%, 5%, 10% and 100% exported over
 OTLP/HTTP to a local sink (`OtlpSink`: the gateway pays the SDK's protobuf encoding and the HTTP request, as with a
@@ -51,14 +51,15 @@ from gateway.precise import PreciseRouting
 from gateway.record import RequestRecord
 from gateway.observability.telemetry import SpanBatcher, Telemetry
 from loadtests.bench.overhead import GW_CPU, LOAD_CPU
+from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import pin, thread_cpu_seconds
+from loadtests.lib.results import Results
 from policies.config import GatewayConfig
 from pools.prefix_index import PrefixIndex
 from pools.replicas import PoolRuntime
 from pools.sim.launcher import start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 TARGET = 0.05  # metrics and tracing add at most 5% to the gateway's CPU per request
 TARGET_MODE = "metrics+tracing@1%"  # what deploy/ recommends (and the gateway's warning)
 E2E_MODES = ("off", "metrics", TARGET_MODE, "metrics+tracing@5%", "metrics+tracing@100%",
@@ -311,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="fresh gateway processes this many times, rounds split between them (default 3)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_telemetry.json")
+    parser.add_argument("--quick", action="store_true", help="300 requests, 2 rounds, one set of processes")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-telemetry)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds, args.sessions = 300, 2, 1
     started = time.monotonic()
     result = run(args.requests, args.rounds, args.concurrency, args.max_tokens, max(1, min(args.sessions, args.rounds)))
     print()
@@ -338,9 +342,27 @@ def main(argv: list[str] | None = None) -> int:
               f"request: measured {extra * 100:+.1f}% ({verdict(extra)}), hooks timed alone {added * 100:+.1f}% "
               f"({verdict(added)})")
     print(f"[{time.monotonic() - started:.0f} s]")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    folder = args.out or run_dir("telemetry")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench_telemetry.json").write_text(json.dumps(result, indent=2) + "\n")
+    results_of(result, args).write(folder)
+    print(f"results: {folder}")
     return 0
+
+
+def results_of(result: dict[str, Any], args: argparse.Namespace) -> Results:
+    """Each mode's gateway CPU per request beside "off", and the target (TARGET_MODE adds at most TARGET), measured
+    and from the hooks timed alone, in the one results format."""
+    out = Results("telemetry", vars(args), reference="the same gateway with telemetry off, same rounds")
+    cpu = result["cpu_us_per_request"]
+    for mode, value in cpu.items():
+        if mode != "off":
+            out.add(f"gateway CPU per request, {mode}", value, "µs", reference="off", reference_value=cpu.get("off"))
+    out.add(f"CPU per request added by {TARGET_MODE}, measured", (result["ratio_vs_off"][TARGET_MODE] - 1) * 100,
+            "%", at_most=TARGET * 100)
+    out.add(f"CPU per request added by {TARGET_MODE}, hooks timed alone",
+            result["hook_added_share_of_off"][TARGET_MODE] * 100, "%", at_most=TARGET * 100)
+    return out
 
 
 if __name__ == "__main__":
