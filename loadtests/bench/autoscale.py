@@ -42,6 +42,7 @@ from loadtests.lib.autoscale import (
 from loadtests.lib.client import Result, Target, run_plan, tpot_of
 from loadtests.lib.harness import write_results
 from loadtests.lib.report import is_good
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Plan, Slo
 from policies.capacity import ClassDemand, EngineCosts, predict, size
 
@@ -333,9 +334,33 @@ def main(argv: list[str] | None = None) -> int:
     summary.update({"planned": {"night": night, "peak": peak, "fixed": fixed}, "sim_costs": asdict(SIM_COSTS)})
     md = markdown(summary)
     folder = write_results(args.out, "bench_autoscale", summary, md)
+    results_of(summary, args).write(folder)
     print(md)
     print(f"results: {folder}")
     return 0
+
+
+def results_of(summary: dict[str, Any], args: argparse.Namespace) -> Results:
+    """Each policy's requests within targets and replica-seconds, and m3gate's verdicts against the others, in the
+    one results format."""
+    out = Results("autoscale", vars(args), reference="a fixed pool at the peak's count, KEDA's and llm-d's rules, "
+                  "on the same day")
+    for name, s in summary["policies"].items():
+        out.add(f"{name}: requests within targets", s["attainment_pct"], "%")
+        out.add(f"{name}: replica-seconds", s["replica_seconds"], "replica-s")
+    v = summary["verdicts"]
+    if "vs fixed" in v:
+        out.add("m3gate replica-seconds / the fixed pool's", v["vs fixed"]["replica_seconds_share"], "×",
+                goal="≤ 0.6×, within 2 points of its attainment", passed=v["vs fixed"]["pass"])
+    for rule in ("keda", "llm-d"):
+        if f"vs {rule}" in v:
+            out.add(f"m3gate attainment gain over {rule}", v[f"vs {rule}"]["attainment_gain"], "points",
+                    reference=f"replica-seconds × {rule}'s", reference_value=v[f"vs {rule}"]["replica_seconds_share"],
+                    goal="≥ +10 at ≤ 1× the replica-seconds, or ≥ −1 at ≤ 0.8×", passed=v[f"vs {rule}"]["pass"])
+    if "constant load" in v:
+        out.add("m3gate scale changes per 10 min at constant load", v["constant load"]["max_changes_per_10_min"],
+                "changes", at_most=1)
+    return out
 
 
 async def _run(setups: Sequence[Setup], day: Day, drain_s: float) -> dict[str, Any]:
