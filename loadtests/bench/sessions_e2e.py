@@ -44,6 +44,7 @@ import numpy as np
 from gateway.cli.launcher import GatewayProcess, start_gateway
 from loadtests.lib.harness import write_results
 from loadtests.lib.private_redis import PrivateRedis
+from loadtests.lib.results import Results
 from loadtests.lib.textgen import text, text_uncached
 from policies.sessions import redacted
 from pools.sim.launcher import running_sims
@@ -455,6 +456,20 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def results_of(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> Results:
+    """Per scenario: m3gate's measured turnaround against the agent's own (p50 within TOLERANCE_MS, every completed
+    session found whole: the verdict), in the one results format."""
+    out = Results("sessions_e2e", vars(args), reference="the agent's own measured tool and think waits")
+    for r in rows:
+        d = r["turnaround_diff_ms"]
+        out.add(f"{r['scenario']}: turnaround m3gate − agent p50", d["p50"], "ms",
+                goal=f"within ±{TOLERANCE_MS:g} ms, every completed session whole", passed=r["pass"])
+        out.add(f"{r['scenario']}: turnaround m3gate − agent p99", d["p99"], "ms")
+        out.add(f"{r['scenario']}: sessions found whole", r["matched_whole"], "sessions", reference="run",
+                reference_value=r["sessions"])
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.sessions_e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="24 sessions per scenario, shorter waits (< 1 min)")
@@ -471,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'PASS' if r['pass'] else 'FAIL'} [{r['scenario']}] turnaround match: {r['verdict']}")
     folder = write_results(args.out, "bench_sessions_e2e", {"rows": rows, "tolerance_ms": TOLERANCE_MS,
                                                             "sessions": count, "quick": args.quick}, md)
+    results_of(rows, args).write(folder)
     print(f"results: {folder}")
     return 0 if all(r["pass"] for r in rows) else 1
 

@@ -91,8 +91,8 @@ def table(runs: Iterable[Mapping[str, Any]]) -> str:
             if f.get("reference_value") is not None:
                 ref = f"{ref} {_value(f['reference_value'], f['unit'])}".strip()
             verdict = {True: "PASS", False: "FAIL", None: ""}[f["passed"]]
-            lines.append(f"| {run['name']} | {f['name']} | {_value(f['value'], f['unit'])} | {ref} | "
-                         f"{f['goal'] or ''} | {verdict} |")
+            cells = (run["name"], f["name"], _value(f["value"], f["unit"]), ref, f["goal"] or "", verdict)
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 

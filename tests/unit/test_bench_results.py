@@ -57,6 +57,13 @@ def test_the_table_shows_value_reference_goal_and_verdict(tmp_path: Path) -> Non
     assert "| overhead | requests per CPU-second | 1,500 req/CPU-s |  | ≥ 2,000 req/CPU-s | FAIL |" in text
 
 
+def test_a_pipe_in_a_cell_does_not_split_the_row() -> None:
+    results = Results("x", {})
+    results.add("a | b", 1.0, "ms", goal="|p50| ≤ 5 ms", passed=True)
+    row = table([results.as_dict()]).splitlines()[-1]
+    assert row == "| x | a \\| b | 1 ms |  | \\|p50\\| ≤ 5 ms | PASS |"
+
+
 def test_make_bench_summary_reads_each_parts_results_and_names_those_without(tmp_path: Path) -> None:
     _overhead().write(tmp_path / "overhead")
     rows = [{"bench": "overhead", "status": "ran (targets missed)", "seconds": 12.0},
