@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation against aggregated serving, at equal replica count, on simulated replicas.
 
-`python -m loadtests.bench.pd [--quick] [--rounds N]` starts four simulated MiniMax-M3 replicas (vLLM-like timing:
+`python -m loadtests.bench.pd [--quick] [--rounds N] [--out DIR]` starts four simulated MiniMax-M3 replicas (vLLM-like timing:
 a step costs 12 ms + 60 µs per prefilled token, divided by `--speed`) and, for each configuration, a gateway:
 
 - **aggregated**: one pool of the 4 replicas (each prefills and decodes);
@@ -36,6 +36,8 @@ from typing import Any
 import aiohttp
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 from pools.sim.launcher import SimProcess, start_sim
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-every", type=float, default=0.8, help="mean seconds between long requests")
     parser.add_argument("--sessions", type=int, default=8, help="interactive sessions (closed loop)")
     parser.add_argument("--sweep", type=int, nargs="*", default=[0, 1024, 16384, 32768])
-    parser.add_argument("--out", type=Path, default=Path("loadtests/results/bench_pd.json"))
+    parser.add_argument("--out", type=Path, help="results folder: results.json, bench_pd.json (default "
+                        "loadtests/results/<time>-pd)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)  # a killed bench still stops its replicas and gateway
     if args.quick:
@@ -254,10 +257,28 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: {k: statistics.median(run[k] for run in runs) for k in runs[0]}
                for name, runs in results.items() if runs}
     print(report(medians, decisions, args, results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "medians": medians,
-                                    "runs": results, "decisions": decisions}, indent=2))
+    folder = args.out or run_dir("pd")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench_pd.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                      "medians": medians, "runs": results, "decisions": decisions},
+                                                     indent=2))
+    results_of(medians, args).write(folder)
+    print(f"results: {folder}")
     return 0
+
+
+def results_of(medians: dict[str, dict[str, float]], args: argparse.Namespace) -> Results:
+    """The targets (disaggregated's interactive ITL p99, TPOT p95 and TTFT p95 over aggregated's) and each
+    configuration's goodput, in the one results format."""
+    out = Results("pd", vars(args), reference="4 aggregated replicas on the same trace, interleaved rounds")
+    base, pd = medians["aggregated"], medians["disaggregated"]
+    for key, target in TARGETS.items():
+        metric, quantile = key.split("_")
+        out.add(f"interactive {metric.upper()} {quantile}, disaggregated / aggregated",
+                pd[key] / base[key] if base[key] else None, "×", at_most=target)
+    for name, m in medians.items():
+        out.add(f"{name}: goodput", m["goodput"], "req/s")
+    return out
 
 
 def _interrupted(signum: int, frame: Any) -> None:
