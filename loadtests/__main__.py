@@ -11,7 +11,8 @@
     python -m loadtests trace agent -o agent.jsonl        write the plan as a replayable trace
     python -m loadtests policies [--quick]                = python -m loadtests.bench.policies
     python -m loadtests overhead [--quick]                = python -m loadtests.bench.overhead
-    python -m loadtests bench [--quick]                   everything, with a summary table (`make bench`)
+    python -m loadtests bench [--quick]                   the main benchmarks, one table of their figures (`make bench`)
+    python -m loadtests bench --list                      every benchmark (python -m loadtests.bench.NAME)
 
 Results go to loadtests/results/<time>-<name>/: report.json, report.md, results.jsonl, trace.jsonl, *.png.
 """
