@@ -82,6 +82,7 @@ from loadtests.lib.client import Target
 from loadtests.lib.harness import execute, run_dir
 from loadtests.lib.replicas import gateway, sim_pool, wait_gateway_sees
 from loadtests.lib.report import median_rows, stats_ms
+from loadtests.lib.results import Results
 from loadtests.lib.workload import build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -379,6 +380,23 @@ def verdict(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def results_of(result: dict[str, Any], args: argparse.Namespace) -> Results:
+    """Per scenario, precise's hit rate and TTFT p95 beside approximate prefix_affinity's; then each check with the
+    scenarios meeting it (the bench passes when each is met in one scenario at least, and none failed a request)."""
+    out = Results("precise", vars(args), reference="approximate prefix_affinity on the same trace, same rounds")
+    for name, sc in result["scenarios"].items():
+        pa, pr = sc["rows"]["prefix_affinity"], sc["rows"]["precise"]
+        out.add(f"{name}: precise hit rate", None if pr["hit_rate"] is None else 100 * pr["hit_rate"], "%",
+                reference="prefix_affinity", reference_value=None if pa["hit_rate"] is None else 100 * pa["hit_rate"])
+        out.add(f"{name}: precise TTFT p95", pr["ttft_p95"], "ms", reference="prefix_affinity",
+                reference_value=pa["ttft_p95"])
+    for check, where in result["verdict"]["checks"].items():
+        every = check == "no failed requests"
+        out.add(f"scenarios meeting: {check}", len(where["met"]), "scenarios",
+                goal="all" if every else "≥ 1", passed=not where["missed"] if every else bool(where["met"]))
+    return out
+
+
 def summary_text(result: dict[str, Any], cost: list[dict[str, Any]] | None) -> str:
     lines = [f"## Precise vs approximate prefix routing ({result['replicas']} simulated replicas, {result['rounds']} "
              f"round(s), medians)", ""]
@@ -549,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(pressure, args.rounds, scenarios, args.speed, Path(args.out) if args.out else None, args.progress)
     text = summary_text(result, cost)
     (Path(result["folder"]) / "summary.md").write_text(text)
+    results_of(result, args).write(Path(result["folder"]))
     print(text)
     print(f"results: {result['folder']}")
     return 0 if result["verdict"]["ok"] else 1
