@@ -58,6 +58,7 @@ from typing import Any
 from loadtests.lib.client import RunOutput, Target
 from loadtests.lib.harness import execute, run_dir
 from loadtests.lib.replicas import MODEL, GatewayProc, wait_gateway_sees
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Plan, Slo, build_plan
 from loadtests.lib.workload_mix import agent_turns, interactive_mix, lognormal, uniform_int
 
@@ -514,6 +515,31 @@ def checks(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def results_of(levels: list[dict[str, Any]], args: argparse.Namespace) -> Results:
+    """The checks' figures in the one results format: per load, slo_aware's attainment gain and interactive TTFT
+    p95 beside prefix_affinity's, its TTFT MAPE and P90 coverage."""
+    out = Results("slo", vars(args), reference="prefix_affinity on the same trace, interleaved rounds")
+    for level in levels:
+        pa, slo = level["rows"]["prefix_affinity"], level["rows"]["slo_aware"]
+        tag = f"{level['level']:.0%} load"
+        gain = 100 * (slo["attainment"] - pa["attainment"]) if slo["attainment"] is not None else None
+        ratio = slo["i_p95"] / pa["i_p95"] if slo["i_p95"] and pa["i_p95"] else None
+        high = level["level"] >= 0.9
+        need = 10.0 if high else -1.0
+        share = {m: None if r["attainment"] is None else 100 * r["attainment"] for m, r in (("pa", pa), ("slo", slo))}
+        out.add(f"SLO attainment, {tag}", share["slo"], "%", reference="prefix_affinity", reference_value=share["pa"],
+                goal=f"≥ the reference {need:+g} points", passed=gain is not None and gain >= need)
+        out.add(f"interactive TTFT p95, {tag}", slo["i_p95"], "ms", reference="prefix_affinity",
+                reference_value=pa["i_p95"], goal=f"≤ {0.8 if high else 1.1}× the reference",
+                passed=ratio is not None and ratio <= (0.8 if high else 1.1))
+        out.add(f"slo_aware TTFT MAPE (calibrated median), {tag}",
+                None if slo["mape"] is None else 100 * slo["mape"], "%", at_most=20.0)
+        cov = slo["p90_coverage"]
+        out.add(f"slo_aware P90 coverage, {tag}", cov, "", goal="0.85–0.95",
+                passed=cov is not None and 0.85 <= cov <= 0.95)
+    return out
+
+
 def summary_text(result: dict[str, Any]) -> str:
     lines = [f"# SLO-aware routing vs prefix_affinity ({result['rounds']} interleaved round(s), medians)", "",
              (f"Pools: {', '.join(f'{n} {m // 1024}K × {c}' for n, m, c, _ in POOLS)} simulated replicas at "
@@ -604,6 +630,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "command": "python -m loadtests.bench.slo " + " ".join(sys.argv[1:])}
     result["checks"] = checks(levels) if len(modes) == len(MODES) else []
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    if len(modes) == len(MODES):
+        results_of(levels, args).write(folder)
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
     print(text)
