@@ -1,6 +1,6 @@
 """The gateway's machine instructions per request, counted by valgrind (callgrind): an A/B that noise cannot move.
 
-    python -m loadtests.bench.instructions [--requests 1000] [--modes nonstream,stream] [--against DIR ...]
+    python -m loadtests.bench.instructions [--requests 1000] [--modes nonstream,stream] [--against DIR ...] [--out DIR]
 
 CPU seconds per request (loadtests.bench.overhead) move by ±10% between runs on a small shared machine; instruction
 counts repeat to within a fraction of a percent whatever else runs, so a change of a few µs per request shows. For
@@ -12,7 +12,8 @@ the gateway's whole cost per request (event loop, HTTP server and client, m3gate
 bodies are bench_overhead's (a 12-word chat; max_tokens 16, or 64 streamed SSE events with usage). A checkout is run
 with this checkout's virtualenv, from its own directory (so its own `gateway` package is imported).
 
-Under valgrind the gateway runs ~50× slower: 1,000 requests take about a minute per checkout and mode.
+Under valgrind the gateway runs ~50× slower: 1,000 requests take about a minute per checkout and mode. results.json
+in `--out` (loadtests/lib/results.py): each checkout's instructions per request beside this one's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import yaml
 
 from gateway.cli.launcher import free_port
 from loadtests.bench.overhead import chat_body
+from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import bench_config, sim_pool
+from loadtests.lib.results import Results
 
 WARMUP = 200
 CONCURRENCY = 16
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--modes", default="nonstream,stream")
     parser.add_argument("--against", action="append", default=[], help="another checkout (e.g. a git worktree)")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-instructions)")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (callgrind) is not installed: apt-get install valgrind")
@@ -127,6 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         for checkout in checkouts:
             value = results[(mode, str(checkout))]
             print(f"| {mode} | {checkout} | {value / args.requests:,.0f} | {value / first:.3f} |")
+    folder = args.out or run_dir("instructions")
+    out = Results("instructions", vars(args), reference=f"this checkout ({checkouts[0].name}), same run")
+    for mode in modes:
+        first = results[(mode, str(checkouts[0]))] / args.requests
+        for checkout in checkouts:
+            beside = {} if checkout == checkouts[0] else {"reference": checkouts[0].name, "reference_value": first}
+            out.add(f"{mode}: {checkout.name}", results[(mode, str(checkout))] / args.requests,
+                    "instructions/request", **beside)
+    out.write(folder)
+    print(f"results: {folder}")
     return 0
 
 
