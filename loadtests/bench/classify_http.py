@@ -1,6 +1,7 @@
 """Gateway CPU per cold long chat, end to end over HTTP: body read, parse, classify, pool choice, prefix hashing, relay.
 
     python -m loadtests.bench.classify --long [--sizes 32000,900000] [--requests 6] [--rounds 2] [--against DIR]
+                                              [--out DIR]
 
 Three pools (32K / 128K / 1M context) of one `--instant` simulator each, and two gateway processes in front of them:
 this checkout's ("new") and, with `--against DIR`, another checkout's (e.g. a `git worktree` of the commit before),
@@ -17,7 +18,7 @@ gateways are pinned to CPU 0, this process and the simulators to CPU 1, where th
 The chats are made to be within 3% of each size (exact count). Reported per size and gateway: the chats' exact token
 count (median), gateway CPU per request p50 and max, how many chats made that gateway ask a replica's /tokenize first
 (near a pool's limit: computed in-process with the same policies) and the p50 over the others. Targets: ≤ 5 ms for a
-~28K-token chat, ≤ 25 ms for a ~900K-token one.
+~28K-token chat, ≤ 25 ms for a ~900K-token one. results.json in `--out` (loadtests/lib/results.py).
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from loadtests.lib.against import checkout, token_counter
 from loadtests.lib.agent_corpus import TextCorpus, agent_chat
+from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import GatewayProc, pin, thread_cpu_seconds, wait_gateway_sees
+from loadtests.lib.results import Results
 from policies.classify import classify
 from policies.errors import RequestRejected
 from policies.pool_choice import choose_pool
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--against", action="append", default=[], metavar="DIR",
                         help="another checkout (e.g. a git worktree) whose gateway runs beside this one's")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-classify_http)")
     args = parser.parse_args(argv)
     rows = run([int(s) for s in args.sizes.split(",")], args.requests, args.rounds, args.seed, args.against)
     print("gateway CPU per cold streamed chat (max_tokens 16) over HTTP, all threads (schedstat), idle CPU subtracted;")
@@ -195,7 +200,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['target']:>9,} {r['tokens']:>9,} {r['bytes'] / 1e6:>8.2f} {r['gateway']:>9} {r['requests']:>4} "
               f"{r['p50_ms']:>8.2f} {r['max_ms']:>8.2f} {r['tokenize']:>9} {r['plain_p50_ms']:>8.2f}  {r['pools']} "
               f"({r['statuses']})")
+    folder = args.out or run_dir("classify_http")
+    results_of(rows, args).write(folder)
+    print(f"results: {folder}")
     return 0
+
+
+def results_of(rows: list[dict[str, Any]], args: argparse.Namespace) -> Results:
+    """This gateway's CPU per chat against the targets (≤ 5 ms near 28K tokens, ≤ 25 ms near 900K), another
+    checkout's beside it, in the one results format."""
+    out = Results("classify_http", vars(args), reference="the other checkouts' gateways, same chats (--against)")
+    new = {r["target"]: r["p50_ms"] for r in rows if r["gateway"] == "new"}
+    for r in rows:
+        size = f"{r['tokens']:,} tokens"
+        if r["gateway"] == "new":
+            goal = 5.0 if r["target"] <= 50_000 else 25.0 if r["target"] >= 500_000 else None
+            out.add(f"gateway CPU per cold chat p50, {size}", r["p50_ms"], "ms", at_most=goal)
+        else:
+            out.add(f"{r['gateway']}'s gateway CPU per cold chat p50, {size}", r["p50_ms"], "ms",
+                    reference="this checkout", reference_value=new.get(r["target"]))
+    return out
 
 
 if __name__ == "__main__":
