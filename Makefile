@@ -62,7 +62,7 @@ contract: venv
 
 # PNGs of the Grafana dashboard's panels from a short simulated run, into loadtests/results/dashboards/.
 dashboards-png: venv prometheus
-	$(BIN)/python -m loadtests.render_dashboards
+	$(BIN)/python -m loadtests.assets.render_dashboards
 
 schema: venv
 	$(BIN)/m3gate config schema > deploy/m3gate.schema.json
@@ -70,19 +70,19 @@ schema: venv
 # Short versions of every benchmark (gateway overhead, routing policies, harness self-check, the other loadtests
 # benches), results under loadtests/results/, a summary table at the end (under about five minutes).
 bench: venv
-	$(BIN)/python -m loadtests.bench_all --quick
+	$(BIN)/python -m loadtests.bench --quick
 
 # Reliability suites, figures in docs/reliability.md (short versions run in `make test`; -m "not soak" skips one).
 # chaos: every failure scenario under load through two gateways sharing a private Redis (about 3 minutes);
 # fuzz: 10,000 hostile/malformed cases and connection attacks (about 6 minutes); soak: 30 minutes of mixed load.
 chaos: venv redis
-	$(BIN)/python -m loadtests.chaos
+	$(BIN)/python -m loadtests.robustness.chaos
 
 fuzz: venv redis
-	$(BIN)/python -m loadtests.fuzz --cases 10000
+	$(BIN)/python -m loadtests.robustness.fuzz --cases 10000
 
 soak: venv redis
-	$(BIN)/python -m loadtests.soak --minutes 30
+	$(BIN)/python -m loadtests.robustness.soak --minutes 30
 
 clean:
 	rm -rf $(VENV) .pytest_cache loadtests/results

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.record import RequestRecord
 from pools.replicas import LoadGuard
-from pools.tasks import cancel_and_wait
+from pools.tasks import Periodic
 
 HOP_BY_HOP = frozenset(
     {
@@ -387,34 +387,28 @@ class DisconnectWatches:
     def __init__(self, delay: float = 0.1) -> None:
         self.delay = delay
         self._due: deque[tuple[float, DisconnectWatch]] = deque()
-        self._ticker: asyncio.Task[None] | None = None
+        self._ticker = Periodic("m3gate-disconnect-watch", self._start_due, lambda: self.delay / 2)
 
     def watch(self, receive: Receive) -> DisconnectWatch:
         watch = DisconnectWatch(receive)
-        if self._ticker is None:  # not started (an app used without its lifespan): watch at once
+        if not self._ticker.running:  # not started (an app used without its lifespan): watch at once
             watch.start()
         else:
             self._due.append((time.monotonic() + self.delay, watch))
         return watch
 
     def start(self) -> None:
-        if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            await cancel_and_wait(self._ticker)
-            self._ticker = None
+        await self._ticker.stop()
         while self._due:
             self._due.popleft()[1].start()
 
-    async def _tick(self) -> None:
-        due = self._due
-        while True:
-            await asyncio.sleep(self.delay / 2)
-            now = time.monotonic()
-            while due and due[0][0] <= now:
-                due.popleft()[1].start()
+    def _start_due(self) -> None:
+        due, now = self._due, time.monotonic()
+        while due and due[0][0] <= now:
+            due.popleft()[1].start()
 
 
 class RawResponse(Response):

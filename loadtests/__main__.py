@@ -1,6 +1,6 @@
 """`python -m loadtests`: run workloads, replay traces, compare routing policies, measure gateway overhead.
 
-    python -m loadtests list                              workloads shipped in loadtests/workloads/
+    python -m loadtests list                              workloads shipped in loadtests/lib/workloads/
     python -m loadtests plan agent                        what a workload will send (and its oracle hit rates)
     python -m loadtests run smoke                         start simulated replicas + a gateway, run, report
     python -m loadtests run mixed --gateway http://127.0.0.1:8080
@@ -9,9 +9,10 @@
     python -m loadtests run mixed --gateway URL --contract pools.yaml
     python -m loadtests replay trace.jsonl --time-scale 0.5 --gateway URL
     python -m loadtests trace agent -o agent.jsonl        write the plan as a replayable trace
-    python -m loadtests policies [--quick]                = python -m loadtests.bench_policies
-    python -m loadtests overhead [--quick]                = python -m loadtests.bench_overhead
-    python -m loadtests bench [--quick]                   everything, with a summary table (`make bench`)
+    python -m loadtests policies [--quick]                = python -m loadtests.bench.policies
+    python -m loadtests overhead [--quick]                = python -m loadtests.bench.overhead
+    python -m loadtests bench [--quick]                   the main benchmarks, one table of their figures (`make bench`)
+    python -m loadtests bench --list                      every benchmark (python -m loadtests.bench.NAME)
 
 Results go to loadtests/results/<time>-<name>/: report.json, report.md, results.jsonl, trace.jsonl, *.png.
 """
@@ -27,9 +28,9 @@ from typing import Any
 
 import yaml
 
-from loadtests.client import Target
-from loadtests.oracle import trace_records
-from loadtests.workload import WORKLOAD_DIR, WorkloadError, build_plan, load_workload
+from loadtests.lib.client import Target
+from loadtests.lib.oracle import trace_records
+from loadtests.lib.workload import WORKLOAD_DIR, WorkloadError, build_plan, load_workload
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from loadtests.oracle import oracle_hit_rates
+    from loadtests.lib.oracle import oracle_hit_rates
 
     plan = load_workload(args.workload, _overrides(args.set))
     summary = plan.summary()
@@ -69,8 +70,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _run(plan: Any, args: argparse.Namespace) -> int:
-    from loadtests.harness import execute as run_plan_once, gateway_replicas, run_dir
-    from loadtests.replicas import gateway, gateway_config, sim_pool
+    from loadtests.lib.harness import execute as run_plan_once, gateway_replicas, run_dir
+    from loadtests.lib.replicas import gateway, gateway_config, sim_pool
 
     out = None if args.no_write else (Path(args.out) if args.out else run_dir(args.name or plan.name))
     verdict = {"rc": 0}
@@ -80,7 +81,7 @@ def _run(plan: Any, args: argparse.Namespace) -> int:
         if args.contract is None:
             run_plan_once(plan, target, **kw)
             return
-        from loadtests.contract_check import check_run, scrape_stages
+        from loadtests.lib.contract_check import check_run, scrape_stages
         from policies.config import load_config
         from policies.contract import passed, to_markdown
 
@@ -200,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     _add_target_args(p)
     p.set_defaults(fn=cmd_replay)
-    for name, module in (("policies", "loadtests.bench_policies"), ("overhead", "loadtests.bench_overhead"),
-                         ("bench", "loadtests.bench_all")):
-        p = sub.add_parser(name, help=f"= python -m {module}", add_help=False)
+    for name, module in (("policies", "loadtests.bench.policies"), ("overhead", "loadtests.bench.overhead"),
+                         ("bench", "loadtests.bench.__main__")):
+        p = sub.add_parser(name, help=f"= python -m {module.removesuffix('.__main__')}", add_help=False)
         p.set_defaults(fn=None, module=module)
     args, rest = parser.parse_known_args(argv)
     if args.fn is None:

@@ -5,7 +5,7 @@ A choice made per request weighs the holder's queue against one miss for the req
 often: the move also writes the prefix into the target's cache, evicting other groups' blocks that will miss there
 next; the group's later requests now find it on two replicas, each holding it less surely; and the holder's queue is
 made of cache hits that drain fast. Each move makes the next likelier, and near saturation a pool that moves per
-request serves no more than round robin (loadtests/bench_prefix_load.py). So:
+request serves no more than round robin (loadtests/bench/prefix_load.py). So:
 
 - a request goes to its **home**: the replica of its session, else the least-queued replica holding its longest
   cached prefix (a prefix held by several replicas, a hot one, spreads over those, and only those);

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from policies.vllm_wire import health_says_draining
 from pools.replica_tokenize import post_tokenize
 from pools.replicas import Replica, ScrapedLoad
-from pools.tasks import cancel_and_wait
+from pools.tasks import Periodic
 
 log = logging.getLogger("m3gate.monitor")
 
@@ -86,22 +86,14 @@ class ReplicaMonitor:
         self._interval_s = interval_s
         self._headers_for = headers_for or (lambda _r: {})
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._ticker = Periodic("m3gate-replica-monitor", self.poll_once, interval_s, first_at_start=True, logger=log)
         self._timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval_s)))
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="m3gate-replica-monitor")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self._interval_s)
+        await self._ticker.stop()
 
     async def poll_once(self) -> None:
         replicas = list(self._replicas())

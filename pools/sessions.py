@@ -19,7 +19,7 @@ monotonic clocks differ between processes. Memory is bounded: at most `max_sessi
 aggregates and its last `recent_turns` turns packed in one bytes object; at most `max_keys` remembered tool-call ids
 and as many history keys (default 2 per session; the newest half always kept); `max_recent` ended sessions for the
 admin view; `max_outbox` unpublished events; between max_sessions/2 and max_sessions answered unopened first
-turns. 100k sessions take ~105 MiB (`python -m loadtests.bench_sessions`).
+turns. 100k sessions take ~105 MiB (`python -m loadtests.bench.sessions`).
 Nothing here logs or labels a raw id: `view` hashes them unless asked.
 
 Sharing (pools/shared_state.py): with `shared=True`, each answer's record (session id, turn, tool-call id hashes,

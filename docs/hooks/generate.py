@@ -285,7 +285,8 @@ def _first_sentence(text: str) -> str:
 
 # The top-level packages have no docstring of their own; the architecture page says what each holds.
 PACKAGES = {
-    "loadtests": "Benchmarks, load generator and trace replay, chaos, fuzz and soak suites (may import anything below).",
+    "loadtests": "lib/ (workloads, load generator, trace replay, reports), bench/ (the benchmarks), robustness/ (chaos, "
+                 "fuzz, soak), assets/ (the docs' pictures); may import anything below.",
     "gateway": "HTTP and the coordinator: one request's path, the process's runtime and its collaborators.",
     "pools": "The outside world: replicas, health and metrics scraping, prefix indexes, KV events, Redis shared "
              "state, rate limits, DNS, the simulator, the vLLM launcher.",

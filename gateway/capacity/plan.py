@@ -1,7 +1,7 @@
 """`m3gate plan pools.yaml --workload FILE | --prometheus URL --window 1h`: the replicas each pool (and each side of a disaggregated one) needs for
 the contract's targets at a recorded demand, with the predicted percentiles, from policies/capacity.py's model.
 
-The workload is a loadtests trace (loadtests/workload.py): JSONL in m3gate's format (`timestamp`, `prompt_tokens`,
+The workload is a loadtests trace (loadtests/lib/workload.py): JSONL in m3gate's format (`timestamp`, `prompt_tokens`,
 `output_tokens`, `prefix_group`, `prefix_tokens`, `class`; a run's results/<run>/requests.jsonl is one) or
 Mooncake's (`timestamp` in ms, `input_length`, `output_length`, `hash_ids` of 512-token blocks), or a workload YAML
 whose `trace.path` names one. Each request goes to the smallest pool that holds prompt + output (the pool choice

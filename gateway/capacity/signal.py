@@ -53,7 +53,6 @@ everything else runs on the timer.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections import deque
@@ -66,7 +65,7 @@ from policies.capacity import (
 )
 from policies.demand_share import CostShare, DemandShare, StableShare, decode, encode, merge, peaks
 from policies.latency_model import DecodeCost
-from pools.tasks import cancel_and_wait
+from pools.tasks import Periodic
 
 log = logging.getLogger("m3gate.capacity")
 
@@ -109,7 +108,8 @@ class CapacitySignal:
         self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, role) → GET /admin/capacity's entry
         self.local: DemandShare | None = None  # this gateway's own share at the last tick
         self.source = ("local", 1)  # where the last tick's demand came from, and how many gateways it sums
-        self._task: asyncio.Task[None] | None = None
+        self._ticker = Periodic("m3gate-capacity", self._recompute, lambda: self._gw.config.capacity.interval_s,
+                                logger=log)
         self._malformed_logged = False
 
     # the per-request hook ----------------------------------------------------------------------------------------
@@ -205,26 +205,19 @@ class CapacitySignal:
 
     # the timer ---------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="m3gate-capacity")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            await cancel_and_wait(task)
+        await self._ticker.stop()
 
-    async def _run(self) -> None:
-        while True:
-            interval = self._gw.config.capacity.interval_s
-            await asyncio.sleep(interval)
-            try:
-                now = self._gw.clock()
-                local = self.measure(now)
-                # a few intervals: a gateway late by a tick or two (a loaded event loop) still counts
-                shares = await self._gw.shared.exchange_capacity(encode(local), max(3.0 * interval, 1.0))
-                self.size_pools(now, local, self._peers(shares))
-            except Exception:  # noqa: BLE001 - the signal must never take the gateway down
-                log.exception("capacity: recomputing the signal failed")
+    async def _recompute(self) -> None:
+        """One tick (a failure is logged by the ticker: the signal must never take the gateway down)."""
+        interval = self._gw.config.capacity.interval_s
+        now = self._gw.clock()
+        local = self.measure(now)
+        # a few intervals: a gateway late by a tick or two (a loaded event loop) still counts
+        shares = await self._gw.shared.exchange_capacity(encode(local), max(3.0 * interval, 1.0))
+        self.size_pools(now, local, self._peers(shares))
 
     def _peers(self, shares: list[tuple[str, bytes]] | None) -> list[tuple[str, DemandShare]] | None:
         """The other gateways' shares, decoded (a malformed one is skipped and logged once); None: local only."""

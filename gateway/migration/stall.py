@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
 from gateway.relay import Held, SseFilter
 from pools.replicas import Replica
-from pools.tasks import cancel_and_wait
+from pools.tasks import Periodic
 
+TICK_S = 0.25
 EJECTED_SILENCE_S = 1.0  # a stream this silent on an ejected or unhealthy replica is given up on
 
 
@@ -27,15 +27,15 @@ class StallWatch:
         self.clock = clock
         self.probe_interval_s = probe_interval_s
         self._live: dict[int, list[Any]] = {}
-        self._task: asyncio.Task[None] | None = None
         self._started = False
+        self._ticker = Periodic("m3gate-stall-watch", self._tick, TICK_S,
+                                while_=lambda: bool(self._live) or self._started)
 
     def add(self, filt: SseFilter, held: Held, replica: Replica, timeout: float) -> int:
         key = id(held)
         # filter, held, replica, timeout, events seen, since when, since when its replica looks down (0: it does not)
         self._live[key] = [filt, held, replica, timeout, filt.events, self.clock(), 0.0]
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._tick())
+        self._ticker.start()
         return key
 
     def remove(self, key: int) -> None:
@@ -43,27 +43,19 @@ class StallWatch:
 
     def start(self) -> None:
         self._started = True
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._tick())
+        self._ticker.start()
 
     async def stop(self) -> None:
         self._started = False
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+        await self._ticker.stop()
 
-    async def _tick(self) -> None:
-        try:
-            while self._live or self._started:
-                await asyncio.sleep(0.25)
-                now = self.clock()
-                for key, entry in list(self._live.items()):
-                    if entry[1].response is None:  # the stream ended (its Held was released)
-                        del self._live[key]
-                    else:
-                        self.check(entry, now)
-        finally:
-            self._task = None
+    def _tick(self) -> None:
+        now = self.clock()
+        for key, entry in list(self._live.items()):
+            if entry[1].response is None:  # the stream ended (its Held was released)
+                del self._live[key]
+            else:
+                self.check(entry, now)
 
     def check(self, entry: list[Any], now: float) -> None:
         """One stream at one tick: progress (or a wait on the client) restarts its clock; else it may be cut."""

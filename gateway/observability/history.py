@@ -15,7 +15,6 @@ Memory: POINTS points of a few numbers per class and pool, plus TABLE_WINDOW_S /
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -26,7 +25,7 @@ from gateway.observability.telemetry import Telemetry
 from policies.config import GatewayConfig
 from policies.contract import histogram_quantile
 from pools.replicas import PoolRuntime
-from pools.tasks import cancel_and_wait
+from pools.tasks import Periodic
 
 log = logging.getLogger("m3gate.history")
 
@@ -107,7 +106,7 @@ class History:
         self._snapshots: deque[tuple[float, ClassCounts]] = deque(
             maxlen=max(self._trailing, round(table_window_s / every_s)) + 1)
         self._wall = wall
-        self._task: asyncio.Task[None] | None = None
+        self._ticker = Periodic("m3gate-ui-history", self._tick, every_s, first_at_start=True, logger=log)
 
     def sample(self) -> dict[str, Any]:
         """Take one point now (the task calls this every `every_s`; tests call it directly)."""
@@ -165,19 +164,11 @@ class History:
     # ------------------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="m3gate-ui-history")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            await cancel_and_wait(task)
+        await self._ticker.stop()
 
-    async def _run(self) -> None:
-        while True:
-            if self.gw.config.admin.ui:  # no page, no points (a reload may turn it on again)
-                try:
-                    self.sample()
-                except Exception:  # noqa: BLE001 - a bad sample must not end the history
-                    log.exception("status page history: sample failed")
-            await asyncio.sleep(self.every_s)
+    def _tick(self) -> None:
+        if self.gw.config.admin.ui:  # no page, no points (a reload may turn it on again)
+            self.sample()

@@ -1,4 +1,4 @@
-"""The chaos suite's short version (`make chaos` runs the full one): every scenario of loadtests/chaos.py under a
+"""The chaos suite's short version (`make chaos` runs the full one): every scenario of loadtests/robustness/chaos.py under a
 steady streaming load through two gateways sharing a private Redis, with the targets as assertions.
 
 - no request fails before its first byte while another healthy replica exists (retries cover it);
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.chaos import SCENARIOS, ScenarioResult, Settings, run_all, table
-from loadtests.harness import RESULTS_DIR
+from loadtests.robustness.chaos import SCENARIOS, ScenarioResult, Settings, run_all, table
+from loadtests.lib.harness import RESULTS_DIR
 
 pytestmark = [
     pytest.mark.chaos,

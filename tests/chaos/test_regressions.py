@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.chaos import classify_stream
+from loadtests.robustness.chaos import classify_stream
 from pools.sim.launcher import SimProcess, running_sims
 
 pytestmark = [pytest.mark.chaos]

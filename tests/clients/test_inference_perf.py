@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gateway.cli.launcher import start_gateway
-from loadtests.replicas import scrape_counters
+from loadtests.lib.replicas import scrape_counters
 from pools.sim.launcher import running_sims
 from pools.vllm_local.tiny_model import ensure_tiny_tokenizer
 from tests.clients.venvs import finish, gateway_requests, installed_versions, pinned, read_report, require_client

@@ -26,7 +26,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.bench_telemetry import OtlpSink
+from loadtests.bench.telemetry import OtlpSink
 from pools.vllm_local.launcher import VllmServer, start_server
 
 pytestmark = pytest.mark.vllm

@@ -73,7 +73,7 @@ def run_policy(servers: list[Any], policy: str, seed: int) -> float:
     return (hits1 - hits0) / max(1.0, queries1 - queries0)
 
 
-# What the feature claims (loadtests/bench_policies.py checks the same bound on the simulated benchmark).
+# What the feature claims (loadtests/bench/policies.py checks the same bound on the simulated benchmark).
 ORACLE_SHARE = 0.95
 
 

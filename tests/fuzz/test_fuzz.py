@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.fuzz import RSS_TOLERANCE, Report, run_fuzz, summary
-from loadtests.harness import RESULTS_DIR
+from loadtests.robustness.fuzz import RSS_TOLERANCE, Report, run_fuzz, summary
+from loadtests.lib.harness import RESULTS_DIR
 
 pytestmark = [
     pytest.mark.fuzz,

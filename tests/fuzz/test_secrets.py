@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, start_sim
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.slow]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 from tests.support.shared import SHARED_REDIS
 from tests.support.tools import require_tools
 

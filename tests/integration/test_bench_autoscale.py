@@ -12,9 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtests import bench_autoscale
-from loadtests.autoscale import CLASS_HEADER, MODEL, Actuator, Timescale, gateway_config
-from loadtests.replicas import GatewayProc, wait_gateway_sees
+from loadtests.bench import autoscale as bench_autoscale
+from loadtests.lib.autoscale import CLASS_HEADER, MODEL, Actuator, Timescale, gateway_config
+from loadtests.lib.replicas import GatewayProc, wait_gateway_sees
+from loadtests.lib.results import read
 
 FAST_SIM = ("--prefill-us-per-token", "20", "--decode-ms-per-step", "2", "--mean-output-tokens", "4")
 STARTUP_S = 3.0
@@ -104,3 +105,7 @@ def test_a_tiny_day_through_the_four_policies_gives_the_table(tmp_path: Path,
     assert all(isinstance(v["pass"], bool) for v in data["verdicts"].values())
     assert [row["phase"] for row in data["model_check"]][0] == "night"
     assert (tmp_path / "bench_autoscale.md").read_text().startswith("### Autoscaling on a compressed day")
+    results = read(tmp_path / "results.json")  # the one results format: the verdicts, each with its pass/fail
+    verdicts = {f["name"]: f["passed"] for f in results["figures"] if f["goal"]}
+    assert len(verdicts) == 4 and all(isinstance(v, bool) for v in verdicts.values())
+    assert results["passed"] == all(v["pass"] for v in data["verdicts"].values())

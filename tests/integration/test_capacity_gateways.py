@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

@@ -39,7 +39,7 @@ from gateway.observability.engine_spans import (
 )
 from gateway.precise import PreciseRouting
 from gateway.record import EngineSplit, RequestRecord
-from loadtests.bench_telemetry import OtlpSink
+from loadtests.bench.telemetry import OtlpSink
 from policies.config import GatewayConfig, TracingConfig
 from pools.prefix_index import PrefixIndex
 from pools.sim.launcher import SimProcess, start_sim

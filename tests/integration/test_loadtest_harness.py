@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.client import Target
-from loadtests.harness import execute
-from loadtests.oracle import oracle_hit_rates, prompt_token_count
-from loadtests.replicas import gateway_config
-from loadtests.workload import build_plan, load_workload
+from loadtests.lib.client import Target
+from loadtests.lib.harness import execute
+from loadtests.lib.oracle import oracle_hit_rates, prompt_token_count
+from loadtests.lib.replicas import gateway_config
+from loadtests.lib.workload import build_plan, load_workload
 from pools.sim.launcher import SimProcess, running_sims
 
 SIM_ARGS = ["--speed", "50", "--modalities", "text,image", "--tool-call-probability", "0"]
@@ -168,8 +168,8 @@ async def test_client_timing_follows_vllm_bench_definitions() -> None:
 
     from aiohttp import web
 
-    from loadtests.client import run_plan
-    from loadtests.client import tpot_of
+    from loadtests.lib.client import run_plan
+    from loadtests.lib.client import tpot_of
 
     def chunk(text: str) -> bytes:
         return b'data: {"choices":[{"index":0,"delta":{"content":"' + text.encode() + b'"}}]}\n\n'

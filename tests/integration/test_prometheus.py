@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a real gateway and simulated pools under a short load, with deploy/prometheus/'s config
 and alert rules; then every PromQL expression of the Grafana dashboard and of the alert rules is evaluated over the
 run through Prometheus' HTTP API. Each must parse and return numbers: a panel that stays empty or an alert that
-cannot fire under the very failure it is about is a bug. The stack (loadtests/observability_stack.py) is built so that
+cannot fire under the very failure it is about is a bug. The stack (loadtests/lib/observability_stack.py) is built so that
 each failure happens: a slow replica, a failing one, a full KV cache, a dead replica, a dead Redis, a dead gateway.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from loadtests.observability_stack import (
+from loadtests.lib.observability_stack import (
     PROMETHEUS_CONFIG,
     RULES_DIR,
     PromQLError,

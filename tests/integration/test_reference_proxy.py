@@ -1,4 +1,4 @@
-"""The overhead bench's measuring sticks (loadtests.floor_proxy, each listener / client variant, and Envoy + the
+"""The overhead bench's measuring sticks (loadtests.lib.floor_proxy, each listener / client variant, and Envoy + the
 picker) must really relay, or their figures mean nothing: a non-streaming and a streamed chat through each must come
 back exactly as the simulated replica answers them."""
 
@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from loadtests.peers import start_peer
+from loadtests.lib.peers import start_peer
 from pools.sim.launcher import running_sims
 
 

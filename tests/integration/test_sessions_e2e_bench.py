@@ -1,4 +1,4 @@
-"""A short run of `python -m loadtests.bench_sessions_e2e`: real agent tool loops (tool-call ids from each answer sent
+"""A short run of `python -m loadtests.bench.sessions_e2e`: real agent tool loops (tool-call ids from each answer sent
 back with the results) through one gateway and through two gateways sharing a private Redis, with and without
 session headers; every session is found whole by m3gate (GET /admin/sessions) and the tool turnaround and think time
 it measured match the generator's own waits, per turn, within 5 ms at the p50."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadtests.bench_sessions_e2e import SCENARIOS, TOLERANCE_MS, markdown, run
+from loadtests.bench.sessions_e2e import SCENARIOS, TOLERANCE_MS, markdown, run
 
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.tools("redis-server")]

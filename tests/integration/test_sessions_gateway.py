@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli.launcher import GatewayProcess, start_gateway
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 from pools.sim.launcher import SimProcess, running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"

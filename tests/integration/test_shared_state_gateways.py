@@ -26,7 +26,7 @@ from gateway.cli.launcher import GatewayProcess, start_gateway
 from policies.prefix import prefix_blocks
 from policies.replica_choice import rendezvous_weight
 from pools.sim.launcher import SimProcess, running_sims
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 

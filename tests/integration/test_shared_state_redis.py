@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from policies.snapshot import RoutingRequest
 from pools.shared_state import RedisState
 from tests.support.shared import SHARED_REDIS, eventually
-from loadtests.private_redis import PrivateRedis
+from loadtests.lib.private_redis import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """Isolation between traffic classes: a burst of long requests that saturates the repository pool raises interactive
-time-to-first-token p95 by at most 20% (a bounded run of loadtests/bench_isolation.py, with vLLM-like simulated
+time-to-first-token p95 by at most 20% (a bounded run of loadtests/bench/isolation.py, with vLLM-like simulated
 timing: two phases of 6 s at 8 interactive requests per second, a burst of 32 ~15K-token jobs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from loadtests.bench_isolation import TARGET_RATIO, run
+from loadtests.bench.isolation import TARGET_RATIO, run
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.harness import RESULTS_DIR
-from loadtests.soak import SoakResult, run_soak, summary
+from loadtests.lib.harness import RESULTS_DIR
+from loadtests.robustness.soak import SoakResult, run_soak, summary
 
 pytestmark = [
     pytest.mark.soak,

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.screenshot_demo import DemoProcess, chromium, running_demo
+from loadtests.assets.screenshot_demo import DemoProcess, chromium, running_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.tools("chromium", "chromedriver")]
 

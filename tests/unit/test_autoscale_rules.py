@@ -1,11 +1,11 @@
-"""loadtests/autoscale.py's models of the peers' autoscalers and bench_autoscale's verdicts: the HPA's behaviour
+"""loadtests/lib/autoscale.py's models of the peers' autoscalers and bench_autoscale's verdicts: the HPA's behaviour
 (scale-up per period, scale-down to the window's highest recommendation), llm-d's saturation step, the day's
 phases, and how the targets are judged."""
 
 from __future__ import annotations
 
-from loadtests.autoscale import DAY, Day, Hpa, Timescale, saturation_step
-from loadtests.bench_autoscale import constant_changes, verdicts
+from loadtests.lib.autoscale import DAY, Day, Hpa, Timescale, saturation_step
+from loadtests.bench.autoscale import constant_changes, verdicts
 
 
 def test_the_hpa_rises_within_its_scale_up_policy_and_falls_to_the_window_peak() -> None:

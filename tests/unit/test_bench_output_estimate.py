@@ -1,9 +1,9 @@
-"""loadtests/bench_output_estimate.py on a small trace: the estimate is closer to the real outputs than the budget
+"""loadtests/bench/output_estimate.py on a small trace: the estimate is closer to the real outputs than the budget
 and than the request's fields alone, and never above a request's budget."""
 
 from __future__ import annotations
 
-from loadtests.bench_output_estimate import main, replay, score, trace
+from loadtests.bench.output_estimate import main, replay, score, trace
 from policies.config import OutputEstimateConfig
 from policies.output_estimate import OutputEstimator
 

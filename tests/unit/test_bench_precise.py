@@ -1,4 +1,4 @@
-"""loadtests/bench_precise.py's pure parts: the split target, merged scrapes, per-scenario checks and verdict."""
+"""loadtests/bench/precise.py's pure parts: the split target, merged scrapes, per-scenario checks and verdict."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench_precise import (
+from loadtests.bench.precise import (
     MODES,
     SCENARIOS,
     TARGET,

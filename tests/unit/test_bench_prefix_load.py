@@ -1,12 +1,12 @@
 """bench_prefix_load's workloads and goal checks (the benchmark itself runs against SGLang's router: `python -m
-loadtests.bench_prefix_load`)."""
+loadtests.bench.prefix_load`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
 
-from loadtests.bench_prefix_load import Shape, checks, gateway_config
+from loadtests.bench.prefix_load import Shape, checks, gateway_config
 
 
 def test_the_uniform_shape_is_inference_perfs_shared_prefix_at_the_issue_size() -> None:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import tiktoken
 
-from loadtests.agent_corpus import TextCorpus
+from loadtests.lib.agent_corpus import TextCorpus
 from policies.tokens import EXACT_BELOW_CHARS, MIN_ERROR, TokenCounter
 from policies.config import ClassificationConfig
 

@@ -94,7 +94,7 @@ def test_mooncake_traces_count_repeated_blocks_as_cached(tmp_path: Path) -> None
 
 
 def test_a_workload_yaml_is_planned_from_its_trace_and_bad_input_is_named(tmp_path: Path) -> None:
-    sample = Path(__file__).parents[2] / "loadtests" / "workloads" / "replay_simple_sample.yaml"
+    sample = Path(__file__).parents[2] / "loadtests" / "lib" / "workloads" / "replay_simple_sample.yaml"
     assert len(read_trace(sample)) > 0
     generated = tmp_path / "classes.yaml"
     generated.write_text("name: x\nclasses: {}\n")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.agent_corpus import TextCorpus, text_with_tokens
+from loadtests.lib.agent_corpus import TextCorpus, text_with_tokens
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice, choose_pool, with_exact_prompt_tokens

@@ -239,7 +239,7 @@ def test_odd_shapes_render_what_they_can() -> None:
 def test_a_1m_token_prompt_hashes_every_full_block_and_its_tail_changes_only_the_last() -> None:
     """A 1M-token prompt (the extended pool's largest) is hashed whole: one hash per 512 characters, and a change in
     its last block changes only the last hash (the chain is not cut short on long prompts). Its cost is measured by
-    `python -m loadtests.bench_hotpath` (rows "prefix_blocks, ..."), not timed here."""
+    `python -m loadtests.bench.hotpath` (rows "prefix_blocks, ..."), not timed here."""
     text = _text(4_000_000, 23)
     blocks = prefix_blocks({"messages": [{"role": "user", "content": text}]}, "chat", MODEL)
     assert len(blocks) == 4_000_000 // 512

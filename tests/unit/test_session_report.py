@@ -1,11 +1,11 @@
-"""loadtests.report's per-session and per-turn sections: the generator's waits (planned and really waited), TTFT by
+"""loadtests.lib.report's per-session and per-turn sections: the generator's waits (planned and really waited), TTFT by
 turn index and cache path, and m3gate's measured waits matched by the hashed session id."""
 
 from __future__ import annotations
 
-from loadtests.client import Result
-from loadtests.report import session_markdown, session_report
-from loadtests.workload import build_plan
+from loadtests.lib.client import Result
+from loadtests.lib.report import session_markdown, session_report
+from loadtests.lib.workload import build_plan
 from policies.sessions import redacted
 
 

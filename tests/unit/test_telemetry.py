@@ -497,7 +497,7 @@ def test_spans_reach_an_otlp_http_receiver_and_unsampled_requests_send_none() ->
     a receiver that decodes what a collector would; unsampled requests still pass their decision on (flags 00)."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from loadtests.bench_telemetry import OtlpSink
+    from loadtests.bench.telemetry import OtlpSink
 
     sink = OtlpSink(keep=True)
     otlp = {"enabled": True, "exporter": "otlp", "protocol": "http/protobuf", "endpoint": sink.url}

@@ -3,9 +3,9 @@ the asked rate, sessions sized by their mean turn count."""
 
 from __future__ import annotations
 
-from loadtests.bench_predictions_vllm import spec as predictions_spec
-from loadtests.bench_slo import interactive_spec
-from loadtests.workload import build_plan
+from loadtests.bench.predictions_vllm import spec as predictions_spec
+from loadtests.bench.slo import interactive_spec
+from loadtests.lib.workload import build_plan
 
 
 def test_the_mix_is_sixty_percent_chats_at_the_asked_rate() -> None:
