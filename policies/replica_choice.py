@@ -242,6 +242,26 @@ def load_of(replica: ReplicaSnapshot, params: ChoiceParams) -> float:
     return reported if reported > replica.in_flight else float(replica.in_flight)
 
 
+def _replica_state(replica: ReplicaSnapshot, params: ChoiceParams) -> tuple[float, float, bool, float]:
+    """`queue_estimate`'s (waiting, running), whether `saturation` finds a reason, and `load_of`, in one pass over
+    the replica's fields (each candidate of every request needs all four)."""
+    in_flight = replica.in_flight
+    age = replica.metrics_age_s
+    scraped_waiting = replica.waiting
+    kv_usage = replica.kv_usage
+    saturated = (age is not None and age > params.stale_after_s) or (
+        kv_usage is not None and kv_usage >= params.kv_saturated) or (
+        scraped_waiting is not None and scraped_waiting > params.max_waiting)
+    running = replica.running
+    if running is None or age is None or age > params.stale_after_s:
+        return 0.0, float(in_flight), saturated, float(in_flight)
+    waiting = scraped_waiting or 0.0
+    beyond = in_flight - running
+    reported = running + waiting
+    return ((beyond if beyond > waiting else waiting), (running if running > 0.0 else 0.0), saturated,
+            reported if reported > in_flight else float(in_flight))
+
+
 def rendezvous_weight(key: int | str, url: str) -> int:
     """Highest-random-weight hashing: each key ranks replicas the same way everywhere, and only the keys of a
     removed replica move."""
@@ -424,7 +444,7 @@ class PrefixAffinity:
             url = r.url
             matched = matches.get(url, 0)
             uncached = prompt_tokens - matched * r.block_size
-            waiting, running = queue_estimate(r, params)
+            waiting, running, saturated, load = _replica_state(r, params)
             per_waiting = r.in_flight_tokens / r.in_flight if r.in_flight else float(prompt_tokens)
             if shares:
                 per_waiting *= shares.get(url, 1.0)
@@ -436,10 +456,8 @@ class PrefixAffinity:
             queue = ttft - alone
             if backlog > queue:
                 queue, ttft = backlog, backlog + alone
-            saturated = saturation(r, params) is not None
             source = "" if exact is None else "exact" if url in exact else "approx"
-            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source,
-                                 queue, alone))
+            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load, source, queue, alone))
         if not out:
             raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
         return out
@@ -595,9 +613,7 @@ class PrefixAffinity:
         depth = min(home.matched_blocks, len(hashes))
         if not depth:
             return 0.0
-        group = hashes[depth - 1]
-        self._groups.sent(group, now)
-        return self._groups.rate(group, now) * self.params.placement_window_s - 1.0
+        return self._groups.sent(hashes[depth - 1], now) * self.params.placement_window_s - 1.0
 
     def _home(self, request: RoutingRequest, usable: Sequence[Candidate], most_matched: int,
               now: float) -> tuple[Candidate | None, str]:
