@@ -9,14 +9,15 @@ answers a chat completion at once with a canned answer (16 tokens, or 64 streame
 For each pool size N, m3gate (prefix_affinity, loadtests.replicas.bench_config) and the peer router are started in
 front of the same N workers and measured in interleaved rounds (closed loop, 16 clients; non-streaming, then
 streaming): each proxy's CPU seconds (/proc/PID/stat) per request. A proxy's CPU while idle (health checks and
-metric scrapes of N replicas, each at its own interval) is measured over a quiet second before the rounds and taken
-off, so what is left is the per-request cost. The ratio m3gate ÷ peer is printed per N and mode, and m3gate's cost at
+metric scrapes of N replicas, each at its own interval) is measured over two of m3gate's probing rounds (10 s) before
+the rounds and taken off, so what is left is the per-request cost (probes come in bursts: short segments at large N
+scatter around it). The ratio m3gate ÷ peer is printed per N and mode, and m3gate's cost at
 N over its cost at the smallest N (how the decision grows with the pool).
 
 Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K tokens (distinct texts, so no tokens
 cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
 
-`--quick`: N = 16 and 256, one round of one second, the long prompts with a few requests each.
+`--quick`: N = 16 and 256, one round of two seconds, the long prompts with two requests each.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from loadtests.replicas import GatewayProc, bench_config, cpu_seconds, raise_fd_
 CONCURRENCY = 16
 STREAM_TOKENS = 64
 LONG_TOKENS = (28_000, 95_000)
+HEALTH_INTERVAL_S = 5.0
+IDLE_S = 2 * HEALTH_INTERVAL_S  # whole probing rounds: probes come in bursts, one per replica each interval
 
 # ---------------------------------------------------------------------------------------------------------------
 # The fleet: N zero-latency workers in one process
@@ -167,7 +170,7 @@ def scale_config(urls: Sequence[str], max_model_len: int = 8192) -> dict[str, An
     """bench_config (admission never holds a request back) with health checks every 5 s: metrics stay fresh
     (routing trusts them for 10 s) while probing a thousand replicas stays a small, steady cost."""
     cfg = bench_config(urls)
-    cfg["server"] = {**cfg.get("server", {}), "health_interval_s": 5.0}
+    cfg["server"] = {**cfg.get("server", {}), "health_interval_s": HEALTH_INTERVAL_S}
     cfg["pools"] = [{**cfg["pools"][0], "max_model_len": max_model_len}]
     return cfg
 
@@ -223,7 +226,7 @@ def measure_size(n: int, peer: str | None, rounds: int, seconds: float) -> dict[
         bodies = {"nonstream": chat_body(16, False), "stream": chat_body(STREAM_TOKENS, True)}
         for p in proxies:  # warm-up: connections to many replicas, caches
             per_request_ms(p, bodies["nonstream"], 0.5)
-            p.idle = idle_rate(p.pids, 1.5)
+            p.idle = idle_rate(p.pids, IDLE_S)
         out: dict[str, dict[str, list[float | None]]] = {m: {p.name: [] for p in proxies} for m in bodies}
         for r in range(rounds):
             order = proxies if r % 2 == 0 else proxies[::-1]
@@ -251,7 +254,7 @@ def measure_long(n: int, peer: str | None, requests: int) -> dict[int, dict[str,
         proxies = start_proxies(fleet.urls, peer, 131_072)
         time.sleep(6.0)
         for p in proxies:
-            p.idle = idle_rate(p.pids, 1.5)
+            p.idle = idle_rate(p.pids, IDLE_S)
         out: dict[int, dict[str, float | None]] = {}
         for tokens in LONG_TOKENS:
             bodies = [{**chat_body(16, False), "messages": [{"role": "user", "content": _long_text(tokens, s)}]}
@@ -316,9 +319,9 @@ def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench_scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sizes", default="16,64,256,1024")
+    parser.add_argument("--sizes", help="pool sizes, comma-separated (default 16,64,256,1024; --quick: 16,256)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
     parser.add_argument("--long-pool", type=int, default=100)
     parser.add_argument("--long-requests", type=int, default=6)
@@ -335,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             pass
         asyncio.run(_serve_fleet(args.fleet, Path(args.ports_file)))
         return 0
-    sizes = [16, 256] if args.quick and args.sizes == parser.get_default("sizes") else \
-        [int(s) for s in args.sizes.split(",") if s]
-    rounds, seconds = (1, 1.0) if args.quick else (args.rounds, args.seconds)
+    sizes = [int(s) for s in args.sizes.split(",") if s] if args.sizes else \
+        [16, 256] if args.quick else [16, 64, 256, 1024]
+    rounds, seconds = (1, 2.0) if args.quick else (args.rounds, args.seconds)
     peer = args.peer or None
     results = {}
     for n in sizes:

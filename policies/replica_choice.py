@@ -130,6 +130,8 @@ class ChoiceParams:
     session_slack_s: float = 0.05  # history is there even where the prefix index does not know it)
     placement_window_s: float = 3.0  # overload must persist this long (exponential window) to move a prefix
     move_cost_factor: float = 0.25  # a move must save its recompute plus this × it again: the displaced KV (inf: never)
+    shortlist_above: int = 32  # prefix_affinity scores every replica of a pool this large or smaller; of a larger
+    shortlist_sample: int = 8  # one, the prefix's holders and sessions' replicas plus this many more (`shortlist`)
 
 
 @dataclass(slots=True)
@@ -260,6 +262,14 @@ def _replica_state(replica: ReplicaSnapshot, params: ChoiceParams) -> tuple[floa
     reported = running + waiting
     return ((beyond if beyond > waiting else waiting), (running if running > 0.0 else 0.0), saturated,
             reported if reported > in_flight else float(in_flight))
+
+
+def _mix(seed: int, i: int) -> int:
+    """The i-th of a seed's pseudo-random draws (splitmix64): the same seed draws the same replicas everywhere."""
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def rendezvous_weight(key: int | str, url: str) -> int:
@@ -453,6 +463,39 @@ class PrefixAffinity:
         self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
         self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
+        self._matched: tuple[RoutingRequest, Mapping[str, int]] | None = None  # the shortlist's index match
+
+    def shortlist(self, request: RoutingRequest, urls: Sequence[str]) -> list[str] | None:
+        """The replicas worth scoring in a pool of more than `shortlist_above` (None: every one), so that a decision
+        costs the same in a pool of a thousand: the `shortlist_sample` replicas holding most of the request's prefix
+        (the prefix index), its session's replica, and `shortlist_sample` more drawn at random (power of k choices:
+        the least loaded of a few is nearly as good as the least loaded of all). The draw is seeded by the prompt's
+        first block, so repeats of a prefix no replica holds yet meet on the same few; prompts shorter than a block
+        draw afresh each time. A precise pool's matcher reads every replica: not shortlisted."""
+        params = self.params
+        count = len(urls)
+        if count <= params.shortlist_above or self._match_request is not None:
+            return None
+        picked: dict[str, None] = {}
+        hashes = request.block_hashes
+        if self.prefix_index is not None and hashes:
+            matches = self.prefix_index.match_all(hashes)
+            self._matched = (request, matches)
+            best = sorted(matches.items(), key=lambda item: -item[1])[:params.shortlist_sample] \
+                if len(matches) > params.shortlist_sample else matches.items()
+            picked.update((url, None) for url, _ in best)
+        if request.session_key is not None:
+            entry = self._sessions.get(request.session_key)
+            if entry is not None:
+                picked[entry[0]] = None
+        if hashes:
+            seed = hashes[0]
+        else:
+            seed = self._turn
+            self._turn += 1
+        for i in range(params.shortlist_sample):
+            picked[urls[_mix(seed, i) % count]] = None
+        return list(picked)
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
         """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
@@ -463,7 +506,9 @@ class PrefixAffinity:
             found = self._match_request(request, [r.url for r in replicas if r.healthy and not r.draining])
             matches, exact = found.blocks, found.exact
         elif self.prefix_index is not None and request.block_hashes:
-            matches = self.prefix_index.match_all(request.block_hashes)
+            matched = self._matched
+            matches = matched[1] if matched is not None and matched[0] is request else \
+                self.prefix_index.match_all(request.block_hashes)
         out: list[Candidate] = []
         prompt_tokens = request.prompt_tokens
         chunk_tokens = params.chunk_tokens
