@@ -17,7 +17,8 @@ N over its cost at the smallest N (how the decision grows with the pool).
 Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K tokens (distinct texts, so no tokens
 cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
 
-`--quick`: N = 16 and 256, one round of two seconds, the long prompts with two requests each.
+`--quick`: N = 16 and 256, one round of two seconds, the long prompts with 8 requests each (24 by default: CPU time
+is read in 10 ms ticks).
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def per_request_ms(proxy: Proxy, body: dict[str, Any], seconds: float) -> float 
     if not seg.ok or seg.gw_cpu is None or seg.errors:
         print(f"  {proxy.name}: {seg.ok} ok, errors {seg.errors}", flush=True)
         return None
-    return max(0.0, seg.gw_cpu - proxy.idle * seg.wall) / seg.ok * 1e3
+    busy = seg.gw_cpu - proxy.idle * seg.wall
+    return busy / seg.ok * 1e3 if busy > 0.0 else None  # under the idle rate: not measurable in this segment
 
 
 def start_proxies(urls: Sequence[str], peer: str | None, max_model_len: int) -> list[Proxy]:
@@ -233,17 +235,27 @@ def measure_size(n: int, peer: str | None, rounds: int, seconds: float) -> dict[
             for mode, body in bodies.items():
                 for p in order:
                     out[mode][p.name].append(per_request_ms(p, body, seconds))
-        return {m: {name: _median(v) for name, v in per.items()} for m, per in out.items()}
+        result: dict[str, dict[str, float | None]] = {m: {name: _median(v) for name, v in per.items()}
+                                                      for m, per in out.items()}
+        result["idle"] = {p.name: p.idle for p in proxies}
+        return result
     finally:
         for p in proxies:
             p.stop()
         fleet.stop()
 
 
+_WORDS = ("the agent reads a file from the repository and then calls a tool to run the tests before it writes "
+          "its answer about which function should change and why the value returned there is not what the caller "
+          "expected when the input is empty").split()
+
+
 def _long_text(tokens: int, seed: int) -> str:
-    """About `tokens` tokens (~4 characters each) of varied words, different for each seed."""
-    words = (f"w{seed}x{i % 7919}" for i in itertools.count())
-    return " ".join(itertools.islice(words, tokens * 4 // 8))
+    """About `tokens` tokens of English-like words (~0.75 of a word per token), different from the first words on for
+    each seed."""
+    count = len(_WORDS)
+    words = (_WORDS[(i * 7 + seed) % count] for i in itertools.count())
+    return f"Request {seed}: " + " ".join(itertools.islice(words, tokens * 3 // 4))
 
 
 def measure_long(n: int, peer: str | None, requests: int) -> dict[int, dict[str, float | None]]:
@@ -288,6 +300,10 @@ def _long_cpu(proxy: Proxy, bodies: Sequence[dict[str, Any]]) -> float | None:
 # Report
 
 
+def _pct(rate: float | None) -> float | None:
+    return None if rate is None else rate * 100.0
+
+
 def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -296,6 +312,8 @@ def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int,
            peer: str | None, long_pool: int) -> str:
     lines = [f"Gateway CPU per request (ms), zero-latency workers, closed loop c={CONCURRENCY}; m3gate ÷ {peer}",
              "", "| mode | N | m3gate | peer | × peer | × m3gate at smallest N |", "|---|---|---|---|---|---|"]
+    idle = [f"| idle (% of a core) | {n} | {_fmt(_pct(per['idle'].get('m3gate')), '.1f')} | "
+            f"{_fmt(_pct(per['idle'].get(peer)) if peer else None, '.1f')} | | |" for n, per in sorted(sizes.items())]
     first = min(sizes) if sizes else None
     for mode in ("nonstream", "stream"):
         for n, per in sorted(sizes.items()):
@@ -306,6 +324,7 @@ def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int,
             growth = mine / base if mine and base else None
             lines.append(f"| {mode} | {n} | {_fmt(mine)} | {_fmt(theirs)} | {_fmt(ratio, '.2f')} | "
                          f"{_fmt(growth, '.2f')} |")
+    lines += idle
     if long:
         lines += ["", f"Long prompts at N={long_pool}, one at a time, each text new: CPU per request (ms)", "",
                   "| prompt tokens | m3gate | peer | × peer |", "|---|---|---|---|"]
@@ -324,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
     parser.add_argument("--long-pool", type=int, default=100)
-    parser.add_argument("--long-requests", type=int, default=6)
+    parser.add_argument("--long-requests", type=int, default=24)
     parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)  # internal: serve a fleet of this size
     parser.add_argument("--ports-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -350,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     long: dict[int, dict[str, float | None]] = {}
     if args.long_pool:
         print(f"long prompts, N={args.long_pool} ...", flush=True)
-        long = measure_long(args.long_pool, peer, 2 if args.quick else args.long_requests)
+        long = measure_long(args.long_pool, peer, 8 if args.quick else args.long_requests)
     print()
     print(report(results, long, peer, args.long_pool))
     return 0
