@@ -12,7 +12,6 @@ block hashes (`gateway/precise.py`), `Upstream` makes each upstream call and say
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -235,11 +234,11 @@ class Coordinator:
                 decision = self._decide(pool, routings.get(pool.name, routing) if routings else routing, now)
             except NoReplicaAvailable:
                 continue
-            found = list(itertools.islice(
-                (Target(pool, replica, decision.reason, decision.matched_blocks, decision)
-                 for url in (decision.replica, *decision.fallbacks)
-                 if (replica := pool.replicas.get(url)) is not None and replica.is_available(now)),
-                MAX_ATTEMPTS))
+            found = [
+                Target(pool, replica, decision.reason, decision.matched_blocks, decision)
+                for url in (decision.replica, *decision.fallbacks)
+                if (replica := pool.replicas.get(url)) is not None and replica.is_available(now)
+            ][:MAX_ATTEMPTS]
             if not found:
                 continue
             if decision.slo_met is False:
@@ -262,7 +261,7 @@ class Coordinator:
         policy = gw.policies[pool.name]
         shortlist = getattr(policy, "shortlist", None)
         if shortlist is not None and not pool.disaggregated:
-            only = shortlist(routing, list(pool.replicas))
+            only = shortlist(routing, pool.replicas)
             if only is not None:
                 try:
                     return policy.choose(routing, pool.snapshots_of(only, now, gw.shared), now)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -465,7 +465,7 @@ class PrefixAffinity:
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
         self._matched: tuple[RoutingRequest, Mapping[str, int]] | None = None  # the shortlist's index match
 
-    def shortlist(self, request: RoutingRequest, urls: Sequence[str]) -> list[str] | None:
+    def shortlist(self, request: RoutingRequest, urls: Collection[str]) -> list[str] | None:
         """The replicas worth scoring in a pool of more than `shortlist_above` (None: every one), so that a decision
         costs the same in a pool of a thousand: the `shortlist_sample` replicas holding most of the request's prefix
         (the prefix index), its session's replica, and `shortlist_sample` more drawn at random (power of k choices:
@@ -476,6 +476,7 @@ class PrefixAffinity:
         count = len(urls)
         if count <= params.shortlist_above or self._match_request is not None:
             return None
+        pool = urls if isinstance(urls, Sequence) else list(urls)
         picked: dict[str, None] = {}
         hashes = request.block_hashes
         if self.prefix_index is not None and hashes:
@@ -494,7 +495,7 @@ class PrefixAffinity:
             seed = self._turn
             self._turn += 1
         for i in range(params.shortlist_sample):
-            picked[urls[_mix(seed, i) % count]] = None
+            picked[pool[_mix(seed, i) % count]] = None
         return list(picked)
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
