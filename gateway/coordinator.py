@@ -256,7 +256,7 @@ class Coordinator:
     def _decide(self, pool: PoolRuntime, routing: RoutingRequest, now: float) -> RoutingDecision:
         """The pool policy's decision, over the replicas it shortlists in a large pool (`PrefixAffinity.shortlist`:
         the decision's cost does not grow with the pool), or over all of them; all of them as well when none of the
-        shortlisted can take it."""
+        shortlisted can take it or all of them are saturated (the rest of the pool may not be)."""
         gw = self.gw
         policy = gw.policies[pool.name]
         shortlist = getattr(policy, "shortlist", None)
@@ -264,7 +264,9 @@ class Coordinator:
             only = shortlist(routing, pool.replicas)
             if only is not None:
                 try:
-                    return policy.choose(routing, pool.snapshots_of(only, now, gw.shared), now)
+                    decision = policy.choose(routing, pool.snapshots_of(only, now, gw.shared), now)
+                    if decision.reason != "all_saturated":
+                        return decision
                 except NoReplicaAvailable:
                     pass
         return policy.choose(routing, pool.snapshots(now, gw.shared), now)
