@@ -44,7 +44,7 @@ from policies.pool_choice import (
     with_learned_ratio,
 )
 from policies.prefix import prefix_blocks
-from policies.replica_choice import NoReplicaAvailable, RoutingRequest
+from policies.replica_choice import NoReplicaAvailable, RoutingDecision, RoutingRequest
 from policies.traffic import SLO_TPOT_HEADER, SLO_TTFT_HEADER, request_slos
 from policies.vllm_wire import tokenize_body
 from pools.replica_tokenize import post_tokenize
@@ -230,8 +230,7 @@ class Coordinator:
             if pool is None:  # removed by a reload while the request waited
                 continue
             try:
-                pool_routing = routings.get(pool.name, routing) if routings else routing
-                decision = gw.policies[pool.name].choose(pool_routing, pool.snapshots(now, gw.shared), now)
+                decision = self._decide(pool, routings.get(pool.name, routing) if routings else routing, now)
             except NoReplicaAvailable:
                 continue
             found = [
@@ -252,6 +251,24 @@ class Coordinator:
         if missing and not targets:
             missing[0] = missing[0]._replace(reason="slo_expected_miss")
         return (targets + missing)[:MAX_ATTEMPTS]
+
+    def _decide(self, pool: PoolRuntime, routing: RoutingRequest, now: float) -> RoutingDecision:
+        """The pool policy's decision, over the replicas it shortlists in a large pool (`PrefixAffinity.shortlist`:
+        the decision's cost does not grow with the pool), or over all of them; all of them as well when none of the
+        shortlisted can take it or all of them are saturated (the rest of the pool may not be)."""
+        gw = self.gw
+        policy = gw.policies[pool.name]
+        shortlist = getattr(policy, "shortlist", None)
+        if shortlist is not None and not pool.disaggregated:
+            only = shortlist(routing, pool.replicas)
+            if only is not None:
+                try:
+                    decision = policy.choose(routing, pool.snapshots_of(only, now, gw.shared), now)
+                    if decision.reason != "all_saturated":
+                        return decision
+                except NoReplicaAvailable:
+                    pass
+        return policy.choose(routing, pool.snapshots(now, gw.shared), now)
 
     async def pick(
         self, record: RequestRecord, choice: PoolChoice, routing: RoutingRequest, payload: bytes

@@ -108,13 +108,14 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], api_key: str | None) -> dic
     return headers
 
 
+_NOT_RELAYED = HOP_BY_HOP | {"date", "server"}  # the gateway's own server sets date and server
+
+
 def response_headers(upstream: Mapping[str, str], extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    out = [
-        (k.lower().encode("latin-1"), v.encode("latin-1"))
-        for k, v in upstream.items()
-        if k.lower() not in HOP_BY_HOP and k.lower() not in ("date", "server")
-    ]
-    out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+    """The replica's response headers the client gets (lower-cased, hop-by-hop ones dropped), then `extra`."""
+    out = [(name.encode("latin-1"), v.encode("latin-1")) for k, v in upstream.items()
+           if (name := k.lower()) not in _NOT_RELAYED]  # each name lower-cased once: this runs on every answer
+    out += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     return out
 
 

@@ -173,11 +173,15 @@ class Gateway:
         return [r for pool in self.pools.values() for r in pool.replicas.values()]
 
     def pool_saturated(self, name: str) -> bool:
-        """Every available replica of the pool reports a long vLLM queue or a full KV cache (admission waits)."""
+        """Every available replica of the pool reports a long vLLM queue or a full KV cache (admission waits).
+        Snapshots are built one at a time, as the check reads them: it stops at the first replica with room, so an
+        unsaturated pool costs one snapshot however many replicas it has (saturation reads no shared state)."""
         pool = self.pools.get(name)
         if pool is None:
             return False
-        return pool_saturated(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
+        now = self.clock()
+        replicas = pool.of_role("serving") if pool.disaggregated else pool.replicas.values()
+        return pool_saturated((r.snapshot(now) for r in replicas), self.config.traffic.saturation)
 
     def pool_pressure(self, name: str) -> bool:
         """Some available replica of the pool is saturated (the background lane backs off)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,9 +311,10 @@ def replica_saturated(snapshot: ReplicaSnapshot, cfg: SaturationConfig) -> bool:
     return cfg.max_kv_usage is not None and snapshot.kv_usage is not None and snapshot.kv_usage >= cfg.max_kv_usage
 
 
-def pool_saturated(snapshots: Sequence[ReplicaSnapshot], cfg: SaturationConfig) -> bool:
+def pool_saturated(snapshots: Iterable[ReplicaSnapshot], cfg: SaturationConfig) -> bool:
     """Every available replica is saturated. A pool with none available is not 'saturated': pool choice already
-    moved past it, or forwarding will say no replica is healthy."""
+    moved past it, or forwarding will say no replica is healthy. Reads `snapshots` in order and stops at the first
+    available replica that is not saturated (a generator is built no further)."""
     any_available = False
     for s in snapshots:  # a loop, not a list and all(): this runs on every admission
         if s.healthy and not s.draining:

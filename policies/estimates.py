@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import insort
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -140,8 +140,9 @@ class TokenEstimateRatios:
 
 def _record(entry: _Ratio, sample: float, trim: float) -> None:
     """Add one log ratio to the pool's window (the oldest leaves a full one) and recompute the robust value."""
-    if len(entry.logs) == entry.logs.maxlen:
-        entry.sorted_logs.remove(entry.logs[0])
+    if len(entry.logs) == entry.logs.maxlen:  # the oldest leaves: found by bisection (list.remove scans)
+        sorted_logs = entry.sorted_logs
+        del sorted_logs[bisect_left(sorted_logs, entry.logs[0])]
     entry.logs.append(sample)
     insort(entry.sorted_logs, sample)
     entry.value = math.exp(winsorized_mean(entry.sorted_logs, trim))

@@ -105,16 +105,19 @@ class DispatchRate:
         self.max_replicas = max_replicas
         self._state: OrderedDict[Hashable, list[float]] = OrderedDict()  # key → [last update, rate]
 
-    def sent(self, replica: Hashable, now: float) -> None:
+    def sent(self, replica: Hashable, now: float) -> float:
+        """Count one send at `now`; returns the rate with it (what `rate(replica, now)` reads next)."""
         state = self._state.get(replica)
         if state is None:
-            self._state[replica] = [now, 1.0 / self.window_s]
+            rate = 1.0 / self.window_s
+            self._state[replica] = [now, rate]
             if len(self._state) > self.max_replicas:
                 self._state.popitem(last=False)
-            return
+            return rate
         self._state.move_to_end(replica)
         state[1] = state[1] * math.exp(-max(now - state[0], 0.0) / self.window_s) + 1.0 / self.window_s
         state[0] = max(state[0], now)
+        return state[1]
 
     def rate(self, replica: Hashable, now: float) -> float:
         state = self._state.get(replica)

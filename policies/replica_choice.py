@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -130,6 +130,8 @@ class ChoiceParams:
     session_slack_s: float = 0.05  # history is there even where the prefix index does not know it)
     placement_window_s: float = 3.0  # overload must persist this long (exponential window) to move a prefix
     move_cost_factor: float = 0.25  # a move must save its recompute plus this × it again: the displaced KV (inf: never)
+    shortlist_above: int = 32  # prefix_affinity scores every replica of a pool this large or smaller; of a larger
+    shortlist_sample: int = 8  # one, the prefix's holders and sessions' replicas plus this many more (`shortlist`)
 
 
 @dataclass(slots=True)
@@ -242,6 +244,34 @@ def load_of(replica: ReplicaSnapshot, params: ChoiceParams) -> float:
     return reported if reported > replica.in_flight else float(replica.in_flight)
 
 
+def _replica_state(replica: ReplicaSnapshot, params: ChoiceParams) -> tuple[float, float, bool, float]:
+    """`queue_estimate`'s (waiting, running), whether `saturation` finds a reason, and `load_of`, in one pass over
+    the replica's fields (each candidate of every request needs all four)."""
+    in_flight = replica.in_flight
+    age = replica.metrics_age_s
+    scraped_waiting = replica.waiting
+    kv_usage = replica.kv_usage
+    saturated = (age is not None and age > params.stale_after_s) or (
+        kv_usage is not None and kv_usage >= params.kv_saturated) or (
+        scraped_waiting is not None and scraped_waiting > params.max_waiting)
+    running = replica.running
+    if running is None or age is None or age > params.stale_after_s:
+        return 0.0, float(in_flight), saturated, float(in_flight)
+    waiting = scraped_waiting or 0.0
+    beyond = in_flight - running
+    reported = running + waiting
+    return ((beyond if beyond > waiting else waiting), (running if running > 0.0 else 0.0), saturated,
+            reported if reported > in_flight else float(in_flight))
+
+
+def _mix(seed: int, i: int) -> int:
+    """The i-th of a seed's pseudo-random draws (splitmix64): the same seed draws the same replicas everywhere."""
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
 def rendezvous_weight(key: int | str, url: str) -> int:
     """Highest-random-weight hashing: each key ranks replicas the same way everywhere, and only the keys of a
     removed replica move."""
@@ -278,13 +308,44 @@ def _clamp01(value: float) -> float:
 SCORERS: dict[str, Scorer] = {"ttft": score_ttft, "kv_headroom": score_kv_headroom, "balance": score_balance}
 
 
+_BUILT_IN_ORDER = {"ttft": 0, "kv_headroom": 1, "balance": 2}
+
+
 def combine(candidates: Sequence[Candidate], weights: Mapping[str, float]) -> list[float]:
     """Σ weight · clamp(score, 0, 1), as llm-d's scheduler profile does."""
+    order = [_BUILT_IN_ORDER.get(name, -1) for name, weight in weights.items() if weight]
+    if -1 not in order and order == sorted(order):
+        return _combine_built_in(candidates, weights)
     totals = [0.0] * len(candidates)
     for name, weight in weights.items():
         if weight:
             for i, score in enumerate(SCORERS[name](candidates)):
                 totals[i] += weight * (score if 0.0 <= score <= 1.0 else _clamp01(score))
+    return totals
+
+
+def _combine_built_in(candidates: Sequence[Candidate], weights: Mapping[str, float]) -> list[float]:
+    """`combine` of the built-in scorers, weighted in their own order, in one pass: the same sums (each candidate's
+    terms added in the same order), without a list per scorer (this runs on every request)."""
+    w_ttft = weights.get("ttft", 0.0)
+    w_kv = weights.get("kv_headroom", 0.0)
+    w_balance = weights.get("balance", 0.0)
+    best = min(c.predicted_ttft_s for c in candidates) + 1e-3 if w_ttft else 0.0
+    least = min(c.replica.in_flight_tokens for c in candidates) + 1.0 if w_balance else 0.0
+    totals = []
+    for c in candidates:
+        total = 0.0
+        if w_ttft:
+            score = best / (c.predicted_ttft_s + 1e-3)
+            total += w_ttft * (score if 0.0 <= score <= 1.0 else _clamp01(score))
+        if w_kv:
+            kv = c.replica.kv_usage
+            score = 0.5 if kv is None else _clamp01(1.0 - kv)
+            total += w_kv * score
+        if w_balance:
+            score = least / (c.replica.in_flight_tokens + 1.0)
+            total += w_balance * (score if 0.0 <= score <= 1.0 else _clamp01(score))
+        totals.append(total)
     return totals
 
 
@@ -402,6 +463,40 @@ class PrefixAffinity:
         self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
         self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
+        self._matched: tuple[RoutingRequest, Mapping[str, int]] | None = None  # the shortlist's index match
+
+    def shortlist(self, request: RoutingRequest, urls: Collection[str]) -> list[str] | None:
+        """The replicas worth scoring in a pool of more than `shortlist_above` (None: every one), so that a decision
+        costs the same in a pool of a thousand: the `shortlist_sample` replicas holding most of the request's prefix
+        (the prefix index), its session's replica, and `shortlist_sample` more drawn at random (power of k choices:
+        the least loaded of a few is nearly as good as the least loaded of all). The draw is seeded by the prompt's
+        first block, so repeats of a prefix no replica holds yet meet on the same few; prompts shorter than a block
+        draw afresh each time. A precise pool's matcher reads every replica: not shortlisted."""
+        params = self.params
+        count = len(urls)
+        if count <= params.shortlist_above or self._match_request is not None:
+            return None
+        pool = urls if isinstance(urls, Sequence) else list(urls)
+        picked: dict[str, None] = {}
+        hashes = request.block_hashes
+        if self.prefix_index is not None and hashes:
+            matches = self.prefix_index.match_all(hashes)
+            self._matched = (request, matches)
+            best = sorted(matches.items(), key=lambda item: -item[1])[:params.shortlist_sample] \
+                if len(matches) > params.shortlist_sample else matches.items()
+            picked.update((url, None) for url, _ in best)
+        if request.session_key is not None:
+            entry = self._sessions.get(request.session_key)
+            if entry is not None:
+                picked[entry[0]] = None
+        if hashes:
+            seed = hashes[0]
+        else:
+            seed = self._turn
+            self._turn += 1
+        for i in range(params.shortlist_sample):
+            picked[pool[_mix(seed, i) % count]] = None
+        return list(picked)
 
     def candidates(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot]) -> list[Candidate]:
         """The hard filter and every estimate, for choose() and for the admin API's "explain"."""
@@ -412,7 +507,9 @@ class PrefixAffinity:
             found = self._match_request(request, [r.url for r in replicas if r.healthy and not r.draining])
             matches, exact = found.blocks, found.exact
         elif self.prefix_index is not None and request.block_hashes:
-            matches = self.prefix_index.match_all(request.block_hashes)
+            matched = self._matched
+            matches = matched[1] if matched is not None and matched[0] is request else \
+                self.prefix_index.match_all(request.block_hashes)
         out: list[Candidate] = []
         prompt_tokens = request.prompt_tokens
         chunk_tokens = params.chunk_tokens
@@ -424,7 +521,7 @@ class PrefixAffinity:
             url = r.url
             matched = matches.get(url, 0)
             uncached = prompt_tokens - matched * r.block_size
-            waiting, running = queue_estimate(r, params)
+            waiting, running, saturated, load = _replica_state(r, params)
             per_waiting = r.in_flight_tokens / r.in_flight if r.in_flight else float(prompt_tokens)
             if shares:
                 per_waiting *= shares.get(url, 1.0)
@@ -436,10 +533,8 @@ class PrefixAffinity:
             queue = ttft - alone
             if backlog > queue:
                 queue, ttft = backlog, backlog + alone
-            saturated = saturation(r, params) is not None
             source = "" if exact is None else "exact" if url in exact else "approx"
-            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load_of(r, params), source,
-                                 queue, alone))
+            out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load, source, queue, alone))
         if not out:
             raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
         return out
@@ -595,9 +690,7 @@ class PrefixAffinity:
         depth = min(home.matched_blocks, len(hashes))
         if not depth:
             return 0.0
-        group = hashes[depth - 1]
-        self._groups.sent(group, now)
-        return self._groups.rate(group, now) * self.params.placement_window_s - 1.0
+        return self._groups.sent(hashes[depth - 1], now) * self.params.placement_window_s - 1.0
 
     def _home(self, request: RoutingRequest, usable: Sequence[Candidate], most_matched: int,
               now: float) -> tuple[Candidate | None, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from policies.snapshot import ReplicaSnapshot
@@ -273,6 +274,18 @@ class PoolRuntime:
             return [r.snapshot(now) for r in replicas]
         remote = shared.remote_in_flight
         return [r.snapshot(now, remote(r.url)) for r in replicas]
+
+    def snapshots_of(self, urls: Iterable[str], now: float,
+                     shared: SharedState | None = None) -> list[ReplicaSnapshot]:
+        """`snapshots` of just the replicas at `urls` that serve clients (a policy's shortlist; unknown ones skipped)."""
+        replicas = self.replicas
+        remote = shared.remote_in_flight if shared is not None else None
+        out = []
+        for url in urls:
+            r = replicas.get(url)
+            if r is not None and r.role != "prefill":
+                out.append(r.snapshot(now, remote(url)) if remote is not None else r.snapshot(now))
+        return out
 
     def of_role(self, role: str | None) -> list[Replica]:
         if role is None:

@@ -588,15 +588,18 @@ def _seeded(now: float, shared: StableShare, cfg: Any) -> Stabilizer:
 
 
 def _at(marks: deque[tuple[float, int]], t: float, now_value: int) -> float:
-    """A counter's value at time t, linear between its samples (its current value after the last one)."""
-    prev: tuple[float, float] | None = None
-    for when, value in marks:
-        if when >= t:
-            if prev is None or when <= prev[0]:
-                return float(value)
-            return prev[1] + (value - prev[1]) * (t - prev[0]) / (when - prev[0])
-        prev = (when, float(value))
-    return float(now_value)
+    """A counter's value at time t, linear between its samples (its current value after the last one). The samples
+    are in time order and t is mostly recent: read from the newest."""
+    after: tuple[float, int] | None = None
+    for when, value in reversed(marks):
+        if when < t:
+            if after is None:
+                return float(now_value)
+            if after[0] <= when:
+                return float(after[1])
+            return float(value) + (after[1] - float(value)) * (t - when) / (after[0] - when)
+        after = (when, value)
+    return float(now_value) if after is None else float(after[1])
 
 
 def _lower(rate: float, span: float, z: float) -> float:

@@ -1,0 +1,380 @@
+"""The gateway's CPU per request as the pool grows, and for long prompts, beside SGLang's Rust router in the same run.
+
+    python -m loadtests.bench_scale [--quick] [--sizes 16,64,256,1024] [--rounds 3] [--seconds 2]
+                                    [--peer sglang-router:cache_aware] [--long-pool 100]
+
+The replicas are zero-latency vLLM-like workers, every one of them a port of one asyncio process (`--fleet`): each
+answers a chat completion at once with a canned answer (16 tokens, or 64 streamed SSE events with a usage chunk),
+`/health` and a `/metrics` page with the few vLLM series the gateway scrapes, so a fleet of 1,024 costs one process.
+For each pool size N, m3gate (prefix_affinity, loadtests.replicas.bench_config) and the peer router are started in
+front of the same N workers and measured in interleaved rounds (closed loop, 16 clients; non-streaming, then
+streaming): each proxy's CPU seconds (/proc/PID/stat) per request. A proxy's CPU while idle (health checks and
+metric scrapes of N replicas, each at its own interval) is measured over two of m3gate's probing rounds (10 s) before
+the rounds and taken off, so what is left is the per-request cost (probes come in bursts: short segments at large N
+scatter around it). The ratio m3gate ÷ peer is printed per N and mode, and m3gate's cost at
+N over its cost at the smallest N (how the decision grows with the pool).
+
+Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K tokens (distinct texts, so no tokens
+cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
+
+`--quick`: N = 16 and 256, one round of two seconds, the long prompts with 8 requests each (24 by default: CPU time
+is read in 10 ms ticks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtests.bench_overhead import chat_body, run_segment
+from loadtests.peers import PeerProcess, start_peer
+from loadtests.replicas import GatewayProc, bench_config, cpu_seconds, raise_fd_limit
+
+CONCURRENCY = 16
+STREAM_TOKENS = 64
+LONG_TOKENS = (28_000, 95_000)
+HEALTH_INTERVAL_S = 5.0
+IDLE_S = 2 * HEALTH_INTERVAL_S  # whole probing rounds: probes come in bursts, one per replica each interval
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fleet: N zero-latency workers in one process
+
+_METRICS = (
+    b'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    b'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+    b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0\n'
+    b'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 0.0\n'
+    b'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 0.0\n'
+    b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100000"} 1.0\n'
+)
+_STREAM_FLAG = re.compile(rb'"stream"\s*:\s*true')
+
+
+def _answer(prompt_tokens: int) -> bytes:
+    return orjson.dumps({
+        "id": "chatcmpl-fleet", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello " * 16},
+                     "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}})
+
+
+def _stream(prompt_tokens: int) -> bytes:
+    head = {"id": "chatcmpl-fleet", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    events = [orjson.dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
+    events += [orjson.dumps({**head, "choices": [{"index": 0, "delta": {"content": "hello "}}]})] * STREAM_TOKENS
+    events.append(orjson.dumps({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}))
+    events.append(orjson.dumps({**head, "choices": [], "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": STREAM_TOKENS,
+        "total_tokens": prompt_tokens + STREAM_TOKENS}}))
+    return b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _response(status: bytes, body: bytes, ctype: bytes) -> bytes:
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: " + ctype + b"\r\ncontent-length: " +
+            str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Worker(asyncio.Protocol):
+    """A keep-alive HTTP/1.1 server connection that answers every request at once."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            match = re.search(rb"content-length:\s*(\d+)", head)
+            length = int(match.group(1)) if match else 0
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            assert self.transport is not None
+            parts = head.split(b" ", 2)
+            if len(parts) < 2 or head.startswith(b"pri * http/2"):  # an HTTP/2 probe (the Rust router's): not served
+                self.transport.close()
+                return
+            self.transport.write(self._answer(parts[1], body))
+
+    @staticmethod
+    def _answer(path: bytes, body: bytes) -> bytes:
+        if path.startswith(b"/v1/chat/completions"):
+            tokens = max(1, len(body) // 4)
+            if _STREAM_FLAG.search(body[-400:]) or _STREAM_FLAG.search(body[:400]):
+                return _response(b"200 OK", _stream(tokens), b"text/event-stream")
+            return _response(b"200 OK", _answer(tokens), b"application/json")
+        if path.startswith(b"/metrics"):
+            return _response(b"200 OK", _METRICS, b"text/plain")
+        if path.startswith(b"/v1/models"):
+            return _response(b"200 OK", b'{"object":"list","data":[{"id":"m","object":"model"}]}', b"application/json")
+        return _response(b"200 OK", b"{}", b"application/json")  # /health, /version, anything else
+
+
+async def _serve_fleet(count: int, ports_file: Path) -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(_Worker, "127.0.0.1", 0, backlog=256) for _ in range(count)]
+    ports = [s.sockets[0].getsockname()[1] for s in servers]
+    tmp = ports_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.rename(ports_file)
+    await asyncio.Event().wait()
+
+
+class Fleet:
+    """`count` workers served by one child process; stop() ends it."""
+
+    def __init__(self, count: int) -> None:
+        ports_file = Path(tempfile.mkdtemp(prefix="m3gate-fleet-")) / "ports.json"
+        self.proc = subprocess.Popen([sys.executable, "-m", "loadtests.bench_scale", "--fleet", str(count),
+                                      "--ports-file", str(ports_file)])
+        deadline = time.monotonic() + 60
+        while not ports_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the fleet did not start")
+            time.sleep(0.05)
+        self.urls = [f"http://127.0.0.1:{p}" for p in json.loads(ports_file.read_text())]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def scale_config(urls: Sequence[str], max_model_len: int = 8192) -> dict[str, Any]:
+    """bench_config (admission never holds a request back) with health checks every 5 s: metrics stay fresh
+    (routing trusts them for 10 s) while probing a thousand replicas stays a small, steady cost."""
+    cfg = bench_config(urls)
+    cfg["server"] = {**cfg.get("server", {}), "health_interval_s": HEALTH_INTERVAL_S}
+    cfg["pools"] = [{**cfg["pools"][0], "max_model_len": max_model_len}]
+    return cfg
+
+
+def idle_rate(pids: Sequence[int], seconds: float) -> float:
+    """CPU seconds per second the processes spend with no request: health checks, scrapes, timers."""
+    c0 = sum(cpu_seconds(p) for p in pids)
+    time.sleep(seconds)
+    return (sum(cpu_seconds(p) for p in pids) - c0) / seconds
+
+
+class Proxy:
+    """A proxy under test: its URL, its processes (CPU is theirs together), how to stop it, its idle CPU rate."""
+
+    def __init__(self, name: str, url: str, pids: Sequence[int], stop: Any) -> None:
+        self.name, self.url, self.pids, self.stop = name, url, tuple(pids), stop
+        self.idle = 0.0
+
+
+def per_request_ms(proxy: Proxy, body: dict[str, Any], seconds: float) -> float | None:
+    """One closed-loop segment through the proxy: its CPU per request less its idle CPU, in ms."""
+    seg = run_segment([proxy.url], body, CONCURRENCY, seconds, proxy.pids, "scale")
+    if not seg.ok or seg.gw_cpu is None or seg.errors:
+        print(f"  {proxy.name}: {seg.ok} ok, errors {seg.errors}", flush=True)
+        return None
+    busy = seg.gw_cpu - proxy.idle * seg.wall
+    return busy / seg.ok * 1e3 if busy > 0.0 else None  # under the idle rate: not measurable in this segment
+
+
+def start_proxies(urls: Sequence[str], peer: str | None, max_model_len: int) -> list[Proxy]:
+    gw = GatewayProc(scale_config(urls, max_model_len), timeout=120)
+    proxies = [Proxy("m3gate", gw.url, [gw.pid], gw.stop)]
+    if peer:
+        try:
+            p: PeerProcess = start_peer(peer, urls, timeout_s=180)
+            proxies.append(Proxy(peer, p.url, p.pids, p.stop))
+        except RuntimeError as exc:
+            print(f"  {peer} skipped: {str(exc)[:300]}", flush=True)
+    return proxies
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def measure_size(n: int, peer: str | None, rounds: int, seconds: float) -> dict[str, dict[str, float | None]]:
+    """Per mode (nonstream, stream), per proxy: median ms of CPU per request over the interleaved rounds."""
+    fleet = Fleet(n)
+    proxies: list[Proxy] = []
+    try:
+        proxies = start_proxies(fleet.urls, peer, 8192)
+        time.sleep(6.0)  # every replica probed once: healthy, scraped
+        bodies = {"nonstream": chat_body(16, False), "stream": chat_body(STREAM_TOKENS, True)}
+        for p in proxies:  # warm-up: connections to many replicas, caches
+            per_request_ms(p, bodies["nonstream"], 0.5)
+            p.idle = idle_rate(p.pids, IDLE_S)
+        out: dict[str, dict[str, list[float | None]]] = {m: {p.name: [] for p in proxies} for m in bodies}
+        for r in range(rounds):
+            order = proxies if r % 2 == 0 else proxies[::-1]
+            for mode, body in bodies.items():
+                for p in order:
+                    out[mode][p.name].append(per_request_ms(p, body, seconds))
+        result: dict[str, dict[str, float | None]] = {m: {name: _median(v) for name, v in per.items()}
+                                                      for m, per in out.items()}
+        result["idle"] = {p.name: p.idle for p in proxies}
+        return result
+    finally:
+        for p in proxies:
+            p.stop()
+        fleet.stop()
+
+
+_WORDS = ("the agent reads a file from the repository and then calls a tool to run the tests before it writes "
+          "its answer about which function should change and why the value returned there is not what the caller "
+          "expected when the input is empty").split()
+
+
+def _long_text(tokens: int, seed: int) -> str:
+    """About `tokens` tokens of English-like words (~0.75 of a word per token), different from the first words on for
+    each seed."""
+    count = len(_WORDS)
+    words = (_WORDS[(i * 7 + seed) % count] for i in itertools.count())
+    return f"Request {seed}: " + " ".join(itertools.islice(words, tokens * 3 // 4))
+
+
+def measure_long(n: int, peer: str | None, requests: int) -> dict[int, dict[str, float | None]]:
+    """Per prompt size: per proxy, ms of CPU per long request (one at a time, each text new)."""
+    fleet = Fleet(n)
+    proxies: list[Proxy] = []
+    try:
+        proxies = start_proxies(fleet.urls, peer, 131_072)
+        time.sleep(6.0)
+        for p in proxies:
+            p.idle = idle_rate(p.pids, IDLE_S)
+        out: dict[int, dict[str, float | None]] = {}
+        for tokens in LONG_TOKENS:
+            bodies = [{**chat_body(16, False), "messages": [{"role": "user", "content": _long_text(tokens, s)}]}
+                      for s in range(requests * len(proxies) + 1)]
+            out[tokens] = {p.name: _long_cpu(p, bodies[i * requests:(i + 1) * requests])
+                           for i, p in enumerate(proxies)}
+        return out
+    finally:
+        for p in proxies:
+            p.stop()
+        fleet.stop()
+
+
+def _long_cpu(proxy: Proxy, bodies: Sequence[dict[str, Any]]) -> float | None:
+    import urllib.request
+
+    payloads = [orjson.dumps(b) for b in bodies]
+    c0, t0 = sum(cpu_seconds(p) for p in proxy.pids), time.monotonic()
+    for payload in payloads:
+        req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=payload,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            if resp.status != 200:
+                return None
+            resp.read()
+    cpu = sum(cpu_seconds(p) for p in proxy.pids) - c0 - proxy.idle * (time.monotonic() - t0)
+    return max(0.0, cpu) / len(payloads) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _pct(rate: float | None) -> float | None:
+    return None if rate is None else rate * 100.0
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int, dict[str, float | None]],
+           peer: str | None, long_pool: int) -> str:
+    lines = [f"Gateway CPU per request (ms), zero-latency workers, closed loop c={CONCURRENCY}; m3gate ÷ {peer}",
+             "", "| mode | N | m3gate | peer | × peer | × m3gate at smallest N |", "|---|---|---|---|---|---|"]
+    idle = [f"| idle (% of a core) | {n} | {_fmt(_pct(per['idle'].get('m3gate')), '.1f')} | "
+            f"{_fmt(_pct(per['idle'].get(peer)) if peer else None, '.1f')} | | |" for n, per in sorted(sizes.items())]
+    first = min(sizes) if sizes else None
+    for mode in ("nonstream", "stream"):
+        for n, per in sorted(sizes.items()):
+            mine = per[mode].get("m3gate")
+            theirs = per[mode].get(peer) if peer else None
+            base = sizes[first][mode].get("m3gate") if first is not None else None
+            ratio = mine / theirs if mine and theirs else None
+            growth = mine / base if mine and base else None
+            lines.append(f"| {mode} | {n} | {_fmt(mine)} | {_fmt(theirs)} | {_fmt(ratio, '.2f')} | "
+                         f"{_fmt(growth, '.2f')} |")
+    lines += idle
+    if long:
+        lines += ["", f"Long prompts at N={long_pool}, one at a time, each text new: CPU per request (ms)", "",
+                  "| prompt tokens | m3gate | peer | × peer |", "|---|---|---|---|"]
+        for tokens, per in long.items():
+            mine, theirs = per.get("m3gate"), per.get(peer) if peer else None
+            lines.append(f"| {tokens:,} | {_fmt(mine, '.2f')} | {_fmt(theirs, '.2f')} | "
+                         f"{_fmt(mine / theirs if mine and theirs else None, '.2f')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sizes", help="pool sizes, comma-separated (default 16,64,256,1024; --quick: 16,256)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
+    parser.add_argument("--long-pool", type=int, default=100)
+    parser.add_argument("--long-requests", type=int, default=24)
+    parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)  # internal: serve a fleet of this size
+    parser.add_argument("--ports-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    raise_fd_limit(20_000)
+    if args.fleet:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(_serve_fleet(args.fleet, Path(args.ports_file)))
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",") if s] if args.sizes else \
+        [16, 256] if args.quick else [16, 64, 256, 1024]
+    rounds, seconds = (1, 2.0) if args.quick else (args.rounds, args.seconds)
+    peer = args.peer or None
+    results = {}
+    for n in sizes:
+        print(f"N={n} ...", flush=True)
+        results[n] = measure_size(n, peer, rounds, seconds)
+        print(f"  {results[n]}", flush=True)
+    long: dict[int, dict[str, float | None]] = {}
+    if args.long_pool:
+        print(f"long prompts, N={args.long_pool} ...", flush=True)
+        long = measure_long(args.long_pool, peer, 8 if args.quick else args.long_requests)
+    print()
+    print(report(results, long, peer, args.long_pool))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())
