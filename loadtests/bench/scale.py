@@ -1,12 +1,12 @@
 """The gateway's CPU per request as the pool grows, and for long prompts, beside SGLang's Rust router in the same run.
 
-    python -m loadtests.bench_scale [--quick] [--sizes 16,64,256,1024] [--rounds 3] [--seconds 2]
+    python -m loadtests.bench.scale [--quick] [--sizes 16,64,256,1024] [--rounds 3] [--seconds 2]
                                     [--peer sglang-router:cache_aware] [--long-pool 100]
 
 The replicas are zero-latency vLLM-like workers, every one of them a port of one asyncio process (`--fleet`): each
 answers a chat completion at once with a canned answer (16 tokens, or 64 streamed SSE events with a usage chunk),
 `/health` and a `/metrics` page with the few vLLM series the gateway scrapes, so a fleet of 1,024 costs one process.
-For each pool size N, m3gate (prefix_affinity, loadtests.replicas.bench_config) and the peer router are started in
+For each pool size N, m3gate (prefix_affinity, loadtests.lib.replicas.bench_config) and the peer router are started in
 front of the same N workers and measured in interleaved rounds (closed loop, 16 clients; non-streaming, then
 streaming): each proxy's CPU seconds (/proc/PID/stat) per request. A proxy's CPU while idle (health checks and
 metric scrapes of N replicas, each at its own interval) is measured over two of m3gate's probing rounds (10 s) before
@@ -40,9 +40,9 @@ from typing import Any
 
 import orjson
 
-from loadtests.bench_overhead import chat_body, run_segment
-from loadtests.peers import PeerProcess, start_peer
-from loadtests.replicas import GatewayProc, bench_config, cpu_seconds, raise_fd_limit
+from loadtests.bench.overhead import chat_body, run_segment
+from loadtests.lib.peers import PeerProcess, start_peer
+from loadtests.lib.replicas import GatewayProc, bench_config, cpu_seconds, raise_fd_limit
 
 CONCURRENCY = 16
 STREAM_TOKENS = 64
@@ -147,7 +147,7 @@ class Fleet:
 
     def __init__(self, count: int) -> None:
         ports_file = Path(tempfile.mkdtemp(prefix="m3gate-fleet-")) / "ports.json"
-        self.proc = subprocess.Popen([sys.executable, "-m", "loadtests.bench_scale", "--fleet", str(count),
+        self.proc = subprocess.Popen([sys.executable, "-m", "loadtests.bench.scale", "--fleet", str(count),
                                       "--ports-file", str(ports_file)])
         deadline = time.monotonic() + 60
         while not ports_file.exists():
@@ -336,7 +336,7 @@ def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_scale", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", help="pool sizes, comma-separated (default 16,64,256,1024; --quick: 16,256)")
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,8 +1,8 @@
 """Python bytecode instructions per request in the gateway's request tasks: an A/B that load cannot move.
 
-    python -m loadtests.bench_opcodes [--requests 300] [--mode nonstream|stream] [--against DIR ...] [--top 30]
+    python -m loadtests.bench.opcodes [--requests 300] [--mode nonstream|stream] [--against DIR ...] [--top 30]
 
-Instruction counts under callgrind (loadtests.bench_instructions) also count what runs on timers — health checks,
+Instruction counts under callgrind (loadtests.bench.instructions) also count what runs on timers — health checks,
 scrapes, the capacity signal — whose share per request grows with how long the run takes, so on a loaded machine two
 runs of one checkout differ by several per cent. Here each checkout's gateway (run from its own directory, in front
 of the same two `--instant` simulated replicas as bench_instructions, same config and bodies) counts the bytecode
@@ -81,9 +81,9 @@ def count(checkout: Path, urls: list[str], requests: int, stream: bool) -> dict[
     import yaml
 
     from gateway.cli.launcher import free_port
-    from loadtests.bench_instructions import WARMUP, _send
-    from loadtests.bench_overhead import chat_body
-    from loadtests.replicas import bench_config
+    from loadtests.bench.instructions import WARMUP, _send
+    from loadtests.bench.overhead import chat_body
+    from loadtests.lib.replicas import bench_config
 
     folder = Path(tempfile.mkdtemp(prefix="m3gate-opcodes-"))
     config = folder / "pools.yaml"
@@ -130,13 +130,13 @@ def by_task(counts: dict[str, float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_opcodes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench.opcodes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--mode", choices=("nonstream", "stream"), default="nonstream")
     parser.add_argument("--against", action="append", default=[], help="another checkout (e.g. a git worktree)")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
-    from loadtests.replicas import sim_pool
+    from loadtests.lib.replicas import sim_pool
 
     checkouts = [Path.cwd(), *(Path(p).resolve() for p in args.against)]
     results = {}
