@@ -27,8 +27,9 @@ requests per second, repeat requests that missed (their group had been sent befo
 a block of cached prefix), and for m3gate the routing reasons and how many replicas served each group. Checks (the
 issue's goals): m3gate's hit rate ≥ 0.97 × the oracle at every rate below saturation, TTFT p50 and p90 ≤ SGLang's,
 completed req/s ≥ SGLang's at the highest rate; in the hot variant TTFT p90 ≤ 0.8 × never_move's. `--quick`: the
-uniform variant at 5 req/s and the hot one, one round (about 4 minutes). Results under loadtests/results/<time>-prefix-load/
-(results.json, summary.json, summary.md).
+uniform variant at 5 req/s and the hot one, one round (about 4 minutes). Results in `--out`, by default
+loadtests/results/<time>-prefix-load/: results.json (every check a figure with its goal, each router's hit rate
+beside the oracle's; loadtests/lib/results.py), summary.json, summary.md.
 """
 
 from __future__ import annotations

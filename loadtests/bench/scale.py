@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
     parser.add_argument("--long-pool", type=int, default=100)
     parser.add_argument("--long-requests", type=int, default=24)
-    parser.add_argument("--out", type=Path, default=None, help="results folder (default loadtests/results/<time>-scale/)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default loadtests/results/<time>-scale/)")
     parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)  # internal: serve a fleet of this size
     parser.add_argument("--ports-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
