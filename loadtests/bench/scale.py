@@ -18,7 +18,8 @@ Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K token
 cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
 
 `--quick`: N = 16 and 256, one round of two seconds, the long prompts with 8 requests each (24 by default: CPU time
-is read in 10 ms ticks).
+is read in 10 ms ticks). Results in `--out`, by default loadtests/results/<time>-scale/: results.json (m3gate's CPU per
+request and idle CPU beside the peer's, informational; loadtests/lib/results.py) and scale.md (the tables).
 """
 
 from __future__ import annotations
