@@ -1,7 +1,7 @@
 """`make bench`: a short version of every benchmark, each writing its results.json (loadtests/lib/results.py), and
 one table read from those files at the end.
 
-    python -m loadtests.bench [--quick] [--skip NAME ...]
+    python -m loadtests.bench [--quick] [--skip NAME ...] [--limit-factor F]
     python -m loadtests.bench --list            every benchmark in loadtests/bench/, one line each
 
 1. harness self-check: the `smoke` workload through a gateway in front of 2 simulated replicas (report + plots);
@@ -10,8 +10,11 @@ one table read from those files at the end.
 4. the hot-path benchmarks: the gateway's pure steps (loadtests.bench.hotpath), classification
    (loadtests.bench.classify), replica choice (loadtests.bench.routing), the status page (loadtests.bench.ui).
 
-Each part runs as its own process with a timeout and `--out <folder>/<part>`, so one failure or hang does not stop
-the rest. `--quick` (what `make bench` uses) keeps the whole under about five minutes.
+Each part runs as its own process with `--out <folder>/<part>` and a time limit, so one failure or hang does not stop
+the rest. A part's limit (`LIMITS`: its `--quick` and full run's on an idle 2-core machine, with room) is multiplied
+by `--limit-factor`, by default the machine's load per core when `make bench` starts (at least 1): the limit is
+there to stop a hang, and on a busy machine every part runs longer. `--quick` (what `make bench` uses) keeps the
+whole under about five minutes on an idle machine.
 """
 
 from __future__ import annotations
@@ -29,9 +32,17 @@ from typing import Any
 from loadtests.lib.harness import run_dir
 from loadtests.lib.results import FILE, read, table
 
-# the hot-path benches: (name, time limit s)
-OTHERS: list[tuple[str, int]] = [("hotpath", 60), ("classify", 90), ("routing", 90), ("ui", 120)]
+# each part's time limit on an idle machine, seconds: (with --quick, without)
+LIMITS: dict[str, tuple[int, int]] = {"harness": (90, 90), "overhead": (200, 900), "policies": (240, 1800),
+                                      "hotpath": (60, 600), "classify": (90, 900), "routing": (90, 900),
+                                      "ui": (120, 1200)}
+OTHERS = ("hotpath", "classify", "routing", "ui")  # the hot-path benches
 OWN = ("harness", "overhead", "policies")
+
+
+def limit_factor(load: float, cores: int) -> float:
+    """How much longer than on an idle machine a part may take: the load per core, at least 1."""
+    return max(1.0, load / max(1, cores))
 
 
 def _run(name: str, cmd: list[str], timeout: int, log: Path) -> dict[str, Any]:
@@ -76,12 +87,12 @@ def _run(name: str, cmd: list[str], timeout: int, log: Path) -> dict[str, Any]:
 
 
 def benches() -> list[tuple[str, str]]:
-    """Every benchmark module here with the first line of its docstring."""
+    """Every benchmark module here with the first paragraph of its docstring (one line)."""
     out = []
     for path in sorted(Path(__file__).parent.glob("*.py")):
         if not path.stem.startswith("_"):
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            out.append((path.stem, doc.strip().splitlines()[0] if doc.strip() else ""))
+            out.append((path.stem, " ".join(doc.strip().split("\n\n")[0].split())))
     return out
 
 
@@ -102,22 +113,16 @@ def summary(rows: list[dict[str, Any]], folder: Path, total: float) -> str:
 def _plan(args: argparse.Namespace, folder: Path) -> list[tuple[str, list[str], int]]:
     py = [sys.executable, "-m"]
     quick = ["--quick"] if args.quick else []
-    plan: list[tuple[str, list[str], int]] = []
-    if "harness" not in args.skip:
-        plan.append(("harness", [*py, "loadtests", "run", "smoke", "--sims", "2", "--sim-args", "--speed 20",
-                                 "--out", str(folder / "harness"), "--progress" if sys.stderr.isatty() else
-                                 "--no-progress"], 90))
-    if "overhead" not in args.skip:
-        plan.append(("overhead", [*py, "loadtests.bench.overhead", *quick, "--no-profile", "--out",
-                                  str(folder / "overhead")], 200 if args.quick else 900))
-    if "policies" not in args.skip:
-        plan.append(("policies", [*py, "loadtests.bench.policies", *quick, "--out", str(folder / "policies")],
-                     240 if args.quick else 1800))
-    if "others" not in args.skip:
-        for name, limit in (o for o in OTHERS if o[0] not in args.skip):
-            plan.append((name, [*py, f"loadtests.bench.{name}", *quick, "--out", str(folder / name)],
-                         limit if args.quick else 10 * limit))
-    return plan
+    commands = {
+        "harness": [*py, "loadtests", "run", "smoke", "--sims", "2", "--sim-args", "--speed 20", "--out",
+                    str(folder / "harness"), "--progress" if sys.stderr.isatty() else "--no-progress"],
+        "overhead": [*py, "loadtests.bench.overhead", *quick, "--no-profile", "--out", str(folder / "overhead")],
+        **{name: [*py, f"loadtests.bench.{name}", *quick, "--out", str(folder / name)]
+           for name in ("policies", *OTHERS)},
+    }
+    skipped = set(args.skip) | (set(OTHERS) if "others" in args.skip else set())
+    return [(name, cmd, round(LIMITS[name][0 if args.quick else 1] * args.limit_factor))
+            for name, cmd in commands.items() if name not in skipped]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the short version (make bench)")
     parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: harness overhead policies others (or one of them: hotpath classify routing ui)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--limit-factor", type=float, default=None,
+                        help="multiply every part's time limit (default: the load per core now, at least 1)")
     args = parser.parse_args(argv)
+    if args.limit_factor is None:
+        args.limit_factor = limit_factor(os.getloadavg()[0], os.cpu_count() or 1)
     if args.list:
         for name, line in benches():
             print(f"python -m loadtests.bench.{name:18s} {line}")

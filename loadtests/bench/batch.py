@@ -1,6 +1,6 @@
 """Batch jobs beside interactive traffic: the Batch API against a client loop, on simulated pools.
 
-    python -m loadtests.bench.batch [--quick] [--phase-s 90] [--cycles 3] [--jobs 3] [--requests 1000]
+    python -m loadtests.bench.batch [--quick] [--phase-s 90] [--cycles 3] [--jobs 3] [--requests 1000] [--out DIR]
 
 The peers' batch benchmark shape scaled to the simulator: interactive bursts (Poisson arrivals, a high rate for
 `--phase-s`, a low one for as long, `--cycles` times; short unique streaming chats) and `--jobs` batch jobs of
@@ -17,7 +17,7 @@ Printed per run: interactive TTFT p95 and attainment (TTFT within the interactiv
 replicas' `cached_tokens` ÷ prompt tokens) beside the one-replica oracle (every request after the first of its system
 prompt served that prompt from cache). Goals (the issue's): interactive attainment within 1 point of `none`, the
 batch done in ≤ 1.2× the loop's time, hit rate ≥ 0.9× the oracle. `--quick`: 20 s phases, one cycle, 3 × 150
-requests (about 3 minutes). Results under loadtests/results/<time>-batch/ (batch.json, batch.md).
+requests (about 3 minutes). Results under loadtests/results/<time>-batch/ (results.json, batch.json, batch.md).
 
 `--memory N [N ...]`: instead, one job of each size on an instant simulated replica (agent sessions off, so that the
 gateway keeps no per-request table), printing lines per second and the gateway's RSS before and at its peak: the
@@ -33,12 +33,14 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtests.lib.harness import write_results
 from loadtests.lib.replicas import gateway, gateway_config, rss_bytes, sim_pool, wait_gateway_sees
+from loadtests.lib.results import Results
 
 MODEL = "MiniMaxAI/MiniMax-M3"
 SIM_ARGS = ["--max-num-seqs", "16", "--kv-blocks", "3000"]
@@ -211,18 +213,28 @@ def summarise(results: list[RunResult]) -> tuple[dict[str, Any], str]:
     return rows, "\n".join(lines)
 
 
-def checks(rows: dict[str, Any]) -> list[str]:
-    """The issue's goals, each PASS or FAIL with its figures."""
+def results_of(rows: dict[str, Any], args: argparse.Namespace) -> Results:
+    """The issue's goals (attainment with batch jobs beside it, batch time against the client loop, the batch's
+    hit rate against the oracle), in the one results format."""
+    results = Results("batch", vars(args), reference="no batch (attainment), a client loop (batch time), the "
+                                                     "oracle (hit rate), same run")
     none, loop, api = rows["none"], rows["loop"], rows["api"]
-    out = []
     for phase in ("high", "low"):
         a, b = api["phases"][phase]["attainment"] or 0.0, none["phases"][phase]["attainment"] or 0.0
-        out.append(f"{'PASS' if a >= b - 0.01 else 'FAIL'}: {phase} attainment {a:.3f} vs {b:.3f} without batch")
-    ratio = (api["batch_done_s"] or 0.0) / (loop["batch_done_s"] or 1.0)
-    out.append(f"{'PASS' if ratio <= 1.2 else 'FAIL'}: batch time {ratio:.2f}x the client loop's (goal <= 1.2)")
-    share = (api["batch_hit_rate"] or 0.0) / (api["oracle"] or 1.0)
-    out.append(f"{'PASS' if share >= 0.9 else 'FAIL'}: batch hit rate {share:.2f}x the oracle (goal >= 0.9)")
-    return out
+        results.add(f"{phase}-load SLO attainment beside the Batch API", a, "", goal="≥ without batch − 0.01",
+                    passed=a >= b - 0.01, reference="without batch", reference_value=b)
+    results.add("batch time / the client loop's", (api["batch_done_s"] or 0.0) / (loop["batch_done_s"] or 1.0), "×",
+                at_most=1.2, reference="client loop", reference_value=loop["batch_done_s"])
+    results.add("batch hit rate / the oracle's", (api["batch_hit_rate"] or 0.0) / (api["oracle"] or 1.0), "×",
+                at_least=0.9, reference="oracle", reference_value=api["oracle"])
+    return results
+
+
+def checks(results: Results) -> list[str]:
+    """The goals, each PASS or FAIL with its figures."""
+    return [f"{'PASS' if f['passed'] else 'FAIL'}: {f['name']} {f['value']:.3f} (goal {f['goal']}, "
+            f"{f['reference']} {f['reference_value'] if f['reference_value'] is not None else '–'})"
+            for f in results.figures]
 
 
 def memory_run(sizes: list[int]) -> None:
@@ -256,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--loop-concurrency", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None, help="results folder (default loadtests/results/<time>-batch/)")
     p.add_argument("--memory", type=int, nargs="+", metavar="N", help="measure throughput and RSS per job size")
     args = p.parse_args(argv)
     if args.memory:
@@ -275,12 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(asyncio.run(one_run(name, gw.url, plan, jobs, args.loop_concurrency)))
                 print(f"{name}: done", flush=True)
     rows, table = summarise(results)
-    verdicts = checks(rows)
+    results = results_of(rows, args)
+    verdicts = checks(results)
     md = table + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
-    folder = write_results(None, "batch", {"args": vars(args), "runs": rows, "checks": verdicts}, md)
+    folder = write_results(args.out, "batch", {"args": vars(args), "runs": rows, "checks": verdicts}, md)
+    results.write(folder)
     print(md)
     print(f"results: {folder}")
-    return 0
+    return 0 if results.passed else 1
 
 
 if __name__ == "__main__":

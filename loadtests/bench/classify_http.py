@@ -1,7 +1,7 @@
 """Gateway CPU per cold long chat, end to end over HTTP: body read, parse, classify, pool choice, prefix hashing, relay.
 
     python -m loadtests.bench.classify --long [--sizes 32000,900000] [--requests 6] [--rounds 2] [--against DIR]
-                                              [--out DIR]
+                                              [--out DIR] [--quick]
 
 Three pools (32K / 128K / 1M context) of one `--instant` simulator each, and two gateway processes in front of them:
 this checkout's ("new") and, with `--against DIR`, another checkout's (e.g. a `git worktree` of the commit before),
@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", action="append", default=[], metavar="DIR",
                         help="another checkout (e.g. a git worktree) whose gateway runs beside this one's")
     parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-classify_http)")
+    parser.add_argument("--quick", action="store_true", help="28K tokens only, 3 chats, one round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.requests, args.rounds = "28000", 3, 1
     rows = run([int(s) for s in args.sizes.split(",")], args.requests, args.rounds, args.seed, args.against)
     print("gateway CPU per cold streamed chat (max_tokens 16) over HTTP, all threads (schedstat), idle CPU subtracted;")
     print("same chats to each; /tokenize = chats for which that gateway asks a replica's exact count first (near a")

@@ -1,6 +1,7 @@
 """The gateway's machine instructions per request, counted by valgrind (callgrind): an A/B that noise cannot move.
 
     python -m loadtests.bench.instructions [--requests 1000] [--modes nonstream,stream] [--against DIR ...] [--out DIR]
+                                           [--quick]
 
 CPU seconds per request (loadtests.bench.overhead) move by ±10% between runs on a small shared machine; instruction
 counts repeat to within a fraction of a percent whatever else runs, so a change of a few µs per request shows. For
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="nonstream,stream")
     parser.add_argument("--against", action="append", default=[], help="another checkout (e.g. a git worktree)")
     parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-instructions)")
+    parser.add_argument("--quick", action="store_true", help="300 requests")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = 300
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind (callgrind) is not installed: apt-get install valgrind")
         return 2

@@ -1,6 +1,7 @@
 """Python bytecode instructions per request in the gateway's request tasks: an A/B that load cannot move.
 
     python -m loadtests.bench.opcodes [--requests 300] [--mode nonstream|stream] [--against DIR ...] [--top 30]
+                                      [--quick] [--out DIR]
 
 Instruction counts under callgrind (loadtests.bench.instructions) also count what runs on timers — health checks,
 scrapes, the capacity signal — whose share per request grows with how long the run takes, so on a loaded machine two
@@ -11,7 +12,8 @@ keyed by the asyncio task they ran in; the tasks that serve requests (uvicorn's 
 the per-request cost, and they repeat to a few instructions whatever else runs. C code (the HTTP parsers, orjson,
 the kernel) is not counted: read it beside bench_instructions, not instead of it. Prints, per checkout, the opcodes
 per request in request tasks and in each timer task, and the functions whose count differs most from the first
-checkout's.
+checkout's; `results.json` in `--out` (loadtests/lib/results.py): each checkout's opcodes per request in request
+tasks beside this one's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: this file also runs as the traced gateway's script (`--serve-traced`)
+    from loadtests.lib.results import Results
 
 REQUEST_TASK = "RequestResponseCycle.run_asgi"
 
@@ -129,13 +134,30 @@ def by_task(counts: dict[str, float]) -> dict[str, float]:
     return dict(tasks)
 
 
+def results_of(results: dict[Path, dict[str, float]], checkouts: list[Path], args: argparse.Namespace) -> Results:
+    """Each checkout's opcodes per request in request tasks beside the first's, in the one results format."""
+    from loadtests.lib.results import Results
+
+    out = Results("opcodes", vars(args), reference=f"this checkout ({checkouts[0].name}), same run")
+    first = by_task(results[checkouts[0]]).get(REQUEST_TASK)
+    for checkout in checkouts:
+        beside = {} if checkout == checkouts[0] else {"reference": checkouts[0].name, "reference_value": first}
+        out.add(f"{args.mode}: {checkout.name}", by_task(results[checkout]).get(REQUEST_TASK), "opcodes/request",
+                **beside)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.opcodes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--mode", choices=("nonstream", "stream"), default="nonstream")
     parser.add_argument("--against", action="append", default=[], help="another checkout (e.g. a git worktree)")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="100 requests (make bench)")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-opcodes)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = 100
     from loadtests.lib.replicas import sim_pool
 
     checkouts = [Path.cwd(), *(Path(p).resolve() for p in args.against)]
@@ -159,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrequest tasks, {checkouts[0].name} − {checkout.name} (opcodes per request):")
         for key in keys[:args.top]:
             print(f"  {first.get(key, 0.0) - other.get(key, 0.0):+8.0f}  {key.split('|', 1)[1]}")
+    from loadtests.lib.harness import run_dir
+
+    folder = args.out or run_dir("opcodes")
+    results_of(results, checkouts, args).write(folder)
+    print(f"results: {folder}")
     return 0
 
 

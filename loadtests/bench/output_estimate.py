@@ -1,6 +1,6 @@
 """How close the output-length estimate comes to the real output, beside the budget it replaces.
 
-`python -m loadtests.bench.output_estimate [--quick]` replays a synthetic coding-agent trace through
+`python -m loadtests.bench.output_estimate [--quick] [--out DIR]` replays a synthetic coding-agent trace through
 `policies.output_estimate.OutputEstimator` online (each request estimated at its arrival, each answer learnt at its
 end, in time order, sessions interleaved) and reports, side by side on the same requests:
 
@@ -29,7 +29,11 @@ import random
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 
 from policies.config import OutputBudgetConfig, OutputEstimateConfig
 from policies.output_estimate import BUCKETS, OutputEstimator, OutputHints, output_hints
@@ -140,11 +144,31 @@ def _pct(value: float | None) -> str:
     return "   -" if value is None else f"{100 * value:4.0f}"
 
 
+def results_of(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> Results:
+    """Each method's bucket accuracy, median error and Σ ratio; the estimate's error and accuracy are judged against
+    the budget it replaces (its reason to exist), in the one results format."""
+    results = Results("output_estimate", vars(args), reference="max_tokens (the budget) on the same requests")
+    base, ours = rows["max_tokens"], rows["estimate"]
+    results.add("estimate: median absolute error", ours["mae"], "tokens", goal="< max_tokens'",
+                passed=ours["mae"] < base["mae"], reference="max_tokens", reference_value=base["mae"])
+    results.add("estimate: bucket accuracy", 100 * ours["accuracy"], "%", goal="> max_tokens'",
+                passed=ours["accuracy"] > base["accuracy"], reference="max_tokens",
+                reference_value=100 * base["accuracy"])
+    for name, row in rows.items():
+        if name != "estimate":
+            results.add(f"{name}: median absolute error", row["mae"], "tokens")
+            results.add(f"{name}: bucket accuracy", 100 * row["accuracy"], "%")
+        results.add(f"{name}: Σ predicted ÷ Σ actual", row["overcount"], "×")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=2000, help="sessions in the trace (default 2000)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="200 sessions")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default loadtests/results/<time>-"
+                                                                "output-estimate/)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     cfg = OutputEstimateConfig()
     turns = trace(200 if args.quick else args.sessions, args.seed)
@@ -166,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"estimate vs max_tokens: median absolute error {ours['mae']:.0f} vs {base['mae']:.0f} tokens "
           f"({base['mae'] / max(ours['mae'], 1e-9):.0f}× smaller), bucket accuracy {100 * ours['accuracy']:.0f}% vs "
           f"{100 * base['accuracy']:.0f}%")
+    folder = args.out or run_dir("output-estimate")
+    results_of(rows, args).write(folder)
+    print(f"results: {folder}")
     return 0
 
 

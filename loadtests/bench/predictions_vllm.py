@@ -1,6 +1,7 @@
 """How good the gateway's TTFT predictions are in front of REAL vLLM CPU servers (the tiny local model).
 
-    python -m loadtests.bench.predictions_vllm [--levels 0.3 0.7 0.95] [--duration 40] [--capacity REQ_S]
+    python -m loadtests.bench.predictions_vllm [--quick] [--levels 0.3 0.7 0.95] [--duration 40] [--capacity REQ_S]
+                                               [--out DIR]
 
 The simulator is m3gate's own model of vLLM; this measures the calibrated model (policies/latency_model.py) where it
 was not designed: two real vLLM CPU servers (`make vllm-env`; the tiny model from pools/vllm_local, 8K context, prefix
@@ -12,8 +13,8 @@ first (the pool alone, overloaded: first tokens per second in steady state; `--c
 
 Printed per level: TTFT MAPE of the calibrated median (all, and after the pool's first 100 decisions), P90 coverage,
 actual ÷ predicted median, the pool's learnt engine cost (seconds per step, per 1,000 tokens) and TTFT p50/p95. No
-target: the issue asks for the figures. Results: loadtests/results/<time>-predictions-vllm/ (summary.json,
-decision logs).
+target: the issue asks for the figures. Results: loadtests/results/<time>-predictions-vllm/ (results.json,
+summary.json, decision logs).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from loadtests.bench.slo import _pct, prediction_quality, read_jsonl
 from loadtests.lib.client import Target
 from loadtests.lib.harness import execute, run_dir
 from loadtests.lib.replicas import MODEL, GatewayProc, wait_gateway_sees
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Plan, build_plan
 from loadtests.lib.workload_mix import agent_turns, interactive_mix, lognormal, uniform_int
 
@@ -117,6 +119,26 @@ def summary_text(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _share(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def results_of(result: dict[str, Any], args: argparse.Namespace) -> Results:
+    """Per load level: MAPE (all, warmed up), P90 coverage, actual ÷ predicted median, TTFT p50 / p95. No target (the
+    issue asks for the figures): informational, in the one results format."""
+    results = Results("predictions_vllm", vars(args), reference="the TTFT the gateway measured from the upstream send")
+    for row in result["levels"]:
+        at = f"load {row['level']:.0%} ({row['rate']:.2f} req/s)"
+        a, w = row["prediction"]["all"], row["prediction"]["warm"]
+        results.add(f"TTFT MAPE, {at}", _share(a.get("mape")), "%")
+        results.add(f"TTFT MAPE after the first 100 decisions, {at}", _share(w.get("mape")), "%")
+        results.add(f"P90 coverage, {at}", _share(a.get("p90_coverage")), "%", reference="nominal", reference_value=90)
+        results.add(f"actual ÷ predicted TTFT median, {at}", a.get("ratio_p50"), "×")
+        results.add(f"TTFT p50, {at}", row["ttft_p50"], "ms")
+        results.add(f"TTFT p95, {at}", row["ttft_p95"], "ms")
+    return results
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pools.vllm_local.launcher import running_servers
 
@@ -147,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
+    results_of(result, args).write(folder)
     print(text)
     print(f"results: {folder}")
     return result
@@ -164,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--out", help="results folder")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    run(parser.parse_args(argv))
+    parser.add_argument("--quick", action="store_true", help="one level (70%%), 20 s of arrivals, a 15 s capacity run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.levels, args.duration, args.capacity_s = [0.7], 20.0, 15.0
+    run(args)
     return 0
 
 

@@ -27,7 +27,9 @@ requests per second, repeat requests that missed (their group had been sent befo
 a block of cached prefix), and for m3gate the routing reasons and how many replicas served each group. Checks (the
 issue's goals): m3gate's hit rate ≥ 0.97 × the oracle at every rate below saturation, TTFT p50 and p90 ≤ SGLang's,
 completed req/s ≥ SGLang's at the highest rate; in the hot variant TTFT p90 ≤ 0.8 × never_move's. `--quick`: the
-uniform variant at 5 req/s and the hot one, one round (about 4 minutes). Results under loadtests/results/prefix-load-*/ (summary.json, summary.md).
+uniform variant at 5 req/s and the hot one, one round (about 4 minutes). Results in `--out`, by default
+loadtests/results/<time>-prefix-load/: results.json (every check a figure with its goal, each router's hit rate
+beside the oracle's; loadtests/lib/results.py), summary.json, summary.md.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from loadtests.lib.client import Target
 from loadtests.lib.harness import execute, run_dir
 from loadtests.lib.replicas import gateway, sim_pool, wait_gateway_sees
 from loadtests.lib.report import median_rows, routing_reasons
+from loadtests.lib.results import Results
 from loadtests.lib.workload import Item, Plan, _assign_arrivals, build_plan
 
 MODEL = "MiniMaxAI/MiniMax-M3"
@@ -233,6 +236,14 @@ def _ok_le(a: Any, b: Any, factor: float = 1.0) -> bool:
     return a is not None and b is not None and a <= factor * b
 
 
+def _check(name: str, value: Any, unit: str, ok: bool, goal: str, reference: str | None = None,
+           reference_value: Any = None, text: str | None = None) -> dict[str, Any]:
+    """One goal: its printed line (`value`) and the figure it becomes in results.json."""
+    shown = text or f"{_fmt(value, '.0f')} vs {_fmt(reference_value, '.0f')} {unit}"
+    return {"name": name, "value": shown, "ok": ok, "figure": value, "unit": unit, "goal": goal,
+            "reference": reference, "reference_value": reference_value}
+
+
 def checks(variant: str, rows: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """The issue's goals for one variant; a check whose router did not run is left out."""
     out: list[dict[str, Any]] = []
@@ -243,22 +254,39 @@ def checks(variant: str, rows: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
         if m is None:
             continue
         if variant == "uniform":
-            out.append({"name": f"{rate}/s: m3gate hit rate ≥ {HIT_GOAL} × oracle",
-                        "value": _fmt(m["of_oracle"], ".3f"), "ok": _ok_le(HIT_GOAL, m["of_oracle"])})
+            out.append(_check(f"{rate}/s: m3gate hit rate ≥ {HIT_GOAL} × oracle", m["of_oracle"], "× oracle",
+                              _ok_le(HIT_GOAL, m["of_oracle"]), f"≥ {HIT_GOAL} × oracle", "oracle",
+                              text=_fmt(m["of_oracle"], ".3f")))
         if s is not None:
             for key in ("ttft_p50", "ttft_p90"):
-                out.append({"name": f"{rate}/s: m3gate {key} ≤ SGLang's",
-                            "value": f"{_fmt(m[key], '.0f')} vs {_fmt(s[key], '.0f')} ms",
-                            "ok": _ok_le(m[key], s[key])})
+                out.append(_check(f"{rate}/s: m3gate {key} ≤ SGLang's", m[key], "ms", _ok_le(m[key], s[key]),
+                                  "≤ SGLang's", "SGLang router", s[key]))
             if rate == rates[-1]:
-                out.append({"name": f"{rate}/s: m3gate completed req/s ≥ SGLang's",
-                            "value": f"{_fmt(m['req_s'], '.2f')} vs {_fmt(s['req_s'], '.2f')}",
-                            "ok": _ok_le(s["req_s"], m["req_s"], 1.0)})
+                out.append(_check(f"{rate}/s: m3gate completed req/s ≥ SGLang's", m["req_s"], "req/s",
+                                  _ok_le(s["req_s"], m["req_s"], 1.0), "≥ SGLang's", "SGLang router", s["req_s"],
+                                  text=f"{_fmt(m['req_s'], '.2f')} vs {_fmt(s['req_s'], '.2f')}"))
         if variant == "hot" and n is not None:
-            out.append({"name": f"{rate}/s: m3gate TTFT p90 ≤ {HOT_GOAL} × never_move's",
-                        "value": f"{_fmt(m['ttft_p90'], '.0f')} vs {_fmt(n['ttft_p90'], '.0f')} ms",
-                        "ok": _ok_le(m["ttft_p90"], n["ttft_p90"], HOT_GOAL)})
+            out.append(_check(f"{rate}/s: m3gate TTFT p90 ≤ {HOT_GOAL} × never_move's", m["ttft_p90"], "ms",
+                              _ok_le(m["ttft_p90"], n["ttft_p90"], HOT_GOAL), f"≤ {HOT_GOAL} × never_move's",
+                              "never_move", n["ttft_p90"]))
     return out
+
+
+def results_of(result: Mapping[str, Any], args: argparse.Namespace) -> Results:
+    """Each router's hit rate (informational, beside the oracle) and every check as a figure with its goal, in the
+    one results format."""
+    results = Results("prefix_load", vars(args), reference="SGLang's Rust router (cache_aware) and never_move on "
+                                                           "the same replicas and arrivals, same run")
+    for name, v in result["variants"].items():
+        for rate, by in v["rows"].items():
+            for router, r in by.items():
+                hit = r.get("hit_rate")
+                results.add(f"[{name}] {rate}/s: {router} prefix-cache hit rate", None if hit is None else 100 * hit,
+                            "%", reference="oracle", reference_value=100 * v["oracle"][rate])
+        for c in v["checks"]:
+            results.add(f"[{name}] {c['name']}", c["figure"], c["unit"], goal=c["goal"], passed=c["ok"],
+                        reference=c["reference"], reference_value=c["reference_value"])
+    return results
 
 
 def summary_text(result: Mapping[str, Any]) -> str:
@@ -313,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (folder / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     text = summary_text(result)
     (folder / "summary.md").write_text(text)
+    results_of(result, args).write(folder)
     print(text)
     print(f"results: {folder}")
     return 0 if result["ok"] else 1

@@ -1,6 +1,6 @@
 """The gateway's CPU per request as the pool grows, and for long prompts, beside SGLang's Rust router in the same run.
 
-    python -m loadtests.bench.scale [--quick] [--sizes 16,64,256,1024] [--rounds 3] [--seconds 2]
+    python -m loadtests.bench.scale [--quick] [--sizes 16,64,256,1024] [--rounds 3] [--seconds 2] [--out DIR]
                                     [--peer sglang-router:cache_aware] [--long-pool 100]
 
 The replicas are zero-latency vLLM-like workers, every one of them a port of one asyncio process (`--fleet`): each
@@ -18,7 +18,8 @@ Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K token
 cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
 
 `--quick`: N = 16 and 256, one round of two seconds, the long prompts with 8 requests each (24 by default: CPU time
-is read in 10 ms ticks).
+is read in 10 ms ticks). Results in `--out`, by default loadtests/results/<time>-scale/: results.json (m3gate's CPU per
+request and idle CPU beside the peer's, informational; loadtests/lib/results.py) and scale.md (the tables).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ import orjson
 
 from loadtests.bench.overhead import chat_body, run_segment
 from loadtests.lib.peers import PeerProcess, start_peer
+from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import GatewayProc, bench_config, cpu_seconds, raise_fd_limit
+from loadtests.lib.results import Results
 
 CONCURRENCY = 16
 STREAM_TOKENS = 64
@@ -335,6 +338,24 @@ def report(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int,
     return "\n".join(lines)
 
 
+def results_of(sizes: dict[int, dict[str, dict[str, float | None]]], long: dict[int, dict[str, float | None]],
+               peer: str | None, args: argparse.Namespace) -> Results:
+    """m3gate's CPU per request at each N and for each long prompt, beside the peer's in the same run, and its idle
+    CPU: informational (the ratios are what to read), in the one results format."""
+    results = Results("scale", vars(args), reference=f"{peer or 'no peer'} in front of the same workers, same run")
+    for mode in ("nonstream", "stream"):
+        for n, per in sorted(sizes.items()):
+            results.add(f"CPU per request, {mode}, N={n}", per[mode].get("m3gate"), "ms", reference=peer,
+                        reference_value=per[mode].get(peer) if peer else None)
+    for n, per in sorted(sizes.items()):
+        results.add(f"idle CPU, N={n}", _pct(per["idle"].get("m3gate")), "%", reference=peer,
+                    reference_value=_pct(per["idle"].get(peer)) if peer else None)
+    for tokens, per in long.items():
+        results.add(f"CPU per request, {tokens:,}-token prompt, N={args.long_pool}", per.get("m3gate"), "ms",
+                    reference=peer, reference_value=per.get(peer) if peer else None)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -344,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
     parser.add_argument("--long-pool", type=int, default=100)
     parser.add_argument("--long-requests", type=int, default=24)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default loadtests/results/<time>-scale/)")
     parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)  # internal: serve a fleet of this size
     parser.add_argument("--ports-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -370,8 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.long_pool:
         print(f"long prompts, N={args.long_pool} ...", flush=True)
         long = measure_long(args.long_pool, peer, 8 if args.quick else args.long_requests)
+    text = report(results, long, peer, args.long_pool)
     print()
-    print(report(results, long, peer, args.long_pool))
+    print(text)
+    folder = args.out or run_dir("scale")
+    results_of(results, long, peer, args).write(folder)
+    (folder / "scale.md").write_text(text + "\n")
+    print(f"results: {folder}")
     return 0
 
 

@@ -6,10 +6,12 @@ servers receive byte-identical requests. Requests go one at a time: with concurr
 decides which of two simultaneous requests sees the other's blocks (`--concurrent` measures that case too).
 
 Printed: each server's `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the replay (deltas),
-their relative difference (target: within 5%), and how many requests got a different `cached_tokens`.
+their relative difference (target: within 5%), and how many requests got a different `cached_tokens`; the same as
+`results.json` (loadtests/lib/results.py) in `--out`, by default loadtests/results/<time>-sim-fidelity/.
 
     python -m loadtests.bench.sim_fidelity                      # starts one real vLLM server and one simulator
     python -m loadtests.bench.sim_fidelity --vllm-url URL       # reuse a running server (e.g. from `make vllm-up`)
+    python -m loadtests.bench.sim_fidelity --quick [--out DIR]  # 2 conversations x 3 turns
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests.lib.harness import run_dir
+from loadtests.lib.results import Results
 
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
 TARGET_RELATIVE_DIFFERENCE = 0.05
@@ -160,6 +166,36 @@ def report(real: ReplayResult, sim: ReplayResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def results_of(summary: dict[str, Any], args: argparse.Namespace) -> Results:
+    """The simulator's hit rate beside real vLLM's, their relative difference against the 5% target, and the requests
+    whose counts differ, in the one results format."""
+    results = Results("sim_fidelity", vars(args), reference="real vLLM (the tiny model) on the same trace")
+    results.add("simulator prefix-cache hit rate", 100 * summary["sim"]["hit_rate"], "%", reference="vLLM",
+                reference_value=100 * summary["vllm"]["hit_rate"])
+    results.add("relative difference of the hit rates", 100 * summary["relative_difference"], "%",
+                at_most=100 * TARGET_RELATIVE_DIFFERENCE)
+    results.add("requests with a different cached_tokens", summary["requests_with_different_cached_tokens"],
+                "requests", reference="requests sent", reference_value=summary["requests"])
+    results.add("requests with a different prompt_tokens", summary["requests_with_different_prompt_tokens"],
+                "requests", reference="requests sent", reference_value=summary["requests"])
+    return results
+
+
+def _print(summary: dict[str, Any], config: TraceConfig, real: ReplayResult, sim: ReplayResult) -> None:
+    print(f"{summary['requests']} requests: {config.conversations} conversations x {config.turns} turns, shared "
+          "system prompt")
+    print(f"{'':8}{'hits':>10}{'queries':>10}{'hit rate':>10}")
+    for name, result in (("vllm", real), ("sim", sim)):
+        print(f"{name:8}{result.hits:>10.0f}{result.queries:>10.0f}{result.hit_rate:>10.4f}")
+    difference = summary["relative_difference"]
+    verdict = "within" if difference <= TARGET_RELATIVE_DIFFERENCE else "OUTSIDE"
+    print(f"relative difference {difference:.2%} ({verdict} the {TARGET_RELATIVE_DIFFERENCE:.0%} target)")
+    print(f"requests with a different cached_tokens: {summary['requests_with_different_cached_tokens']}, "
+          f"with a different prompt_tokens: {summary['requests_with_different_prompt_tokens']}")
+    if summary["first_differences"]:
+        print("first differences (vllm, sim):", json.dumps(summary["first_differences"]))
+
+
 @contextlib.contextmanager
 def _servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """The real server's and the simulator's URLs: given ones are reused, missing ones started (and stopped)."""
@@ -203,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent", action="store_true", help="send each turn of all conversations at once (batching effects)"
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--quick", action="store_true", help="2 conversations x 3 turns")
+    parser.add_argument("--out", type=Path, help="results folder (default loadtests/results/<time>-sim-fidelity)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.conversations, args.turns = 2, 3
     config = TraceConfig(conversations=args.conversations, turns=args.turns, seed=args.seed)
     trace = build_trace(config, nonce=uuid.uuid4().hex)
 
@@ -215,23 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(
-            f"{len(trace)} requests: {config.conversations} conversations x {config.turns} turns, shared system prompt"
-        )
-        print(f"{'':8}{'hits':>10}{'queries':>10}{'hit rate':>10}")
-        for name, result in (("vllm", real), ("sim", sim)):
-            print(f"{name:8}{result.hits:>10.0f}{result.queries:>10.0f}{result.hit_rate:>10.4f}")
-        difference = summary["relative_difference"]
-        verdict = "within" if difference <= TARGET_RELATIVE_DIFFERENCE else "OUTSIDE"
-        print(f"relative difference {difference:.2%} ({verdict} the {TARGET_RELATIVE_DIFFERENCE:.0%} target)")
-        print(
-            f"requests with a different cached_tokens: {summary['requests_with_different_cached_tokens']}, "
-            f"with a different prompt_tokens: {summary['requests_with_different_prompt_tokens']}"
-        )
-        if summary["first_differences"]:
-            print("first differences (vllm, sim):", json.dumps(summary["first_differences"]))
-    return 0 if summary["relative_difference"] <= TARGET_RELATIVE_DIFFERENCE else 1
-
+        _print(summary, config, real, sim)
+    folder = args.out or run_dir("sim-fidelity")
+    results = results_of(summary, args)
+    results.write(folder)
+    if not args.json:
+        print(f"results: {folder}")
+    return 0 if results.passed else 1
 
 if __name__ == "__main__":
     sys.exit(main())
