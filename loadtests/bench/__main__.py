@@ -41,8 +41,9 @@ OWN = ("harness", "overhead", "policies")
 
 
 def limit_factor(load: float, cores: int) -> float:
-    """How much longer than on an idle machine a part may take: the load per core, at least 1."""
-    return max(1.0, load / max(1, cores))
+    """How much longer than on an idle machine a part may take: the load per core, at least 1 and at most 8 (the
+    limit stops a hang; it does not judge speed, but a hang must still end within a bounded time)."""
+    return min(8.0, max(1.0, load / max(1, cores)))
 
 
 def _run(name: str, cmd: list[str], timeout: int, log: Path) -> dict[str, Any]:
