@@ -1,6 +1,10 @@
 """Active health checks and /metrics scraping for every replica, on one short interval.
 
-A replica is healthy when `/health` answers 200; a 503 there (vLLM's engine dead or going) also drains it. A replica
+A replica is healthy when `/health` answers 200; a 503 there (vLLM's engine dead or going) also drains it. A probe
+that times out is ambiguous (the replica may hang, or this gateway's own event loop may lag on a busy machine, which
+would fail every probe at once and leave the pool with no replica): a healthy replica is marked unhealthy after
+`TIMEOUTS_TO_UNHEALTHY` timed-out probes in a row; an answer other than 200 or a refused connection marks it at once.
+A replica
 draining because it is shutting down (pools/replicas.py `shutting_down`) leaves that state only when a probe shows it
 takes requests again: vLLM keeps answering /health 200 all through its shutdown, so health alone cannot tell.
 
@@ -28,6 +32,7 @@ log = logging.getLogger("m3gate.monitor")
 
 # A request that exercises what a shutting-down vLLM refuses (its renderer) and nothing of its engine.
 _PROBE = b'{"prompt":"m3gate drain probe"}'
+TIMEOUTS_TO_UNHEALTHY = 2  # timed-out /health probes in a row before a healthy replica counts as unhealthy
 
 _WANTED = (
     b"vllm:num_requests_waiting{",
@@ -88,6 +93,7 @@ class ReplicaMonitor:
         self._clock = clock
         self._ticker = Periodic("m3gate-replica-monitor", self.poll_once, interval_s, first_at_start=True, logger=log)
         self._timeout = aiohttp.ClientTimeout(total=max(0.5, min(2.0, interval_s)))
+        self._timeouts: dict[str, int] = {}  # url → /health probes timed out in a row
 
     def start(self) -> None:
         self._ticker.start()
@@ -114,16 +120,30 @@ class ReplicaMonitor:
         replica.stop_draining()
         return True
 
-    async def _poll(self, replica: Replica) -> None:
-        headers = self._headers_for(replica)
+    async def _health(self, replica: Replica, headers: dict[str, str]) -> bool | None:
+        """Whether /health says the replica serves; None for a timeout that does not yet count (see the module)."""
+        url = replica.url
         try:
-            async with self._session.get(replica.url + "/health", headers=headers, timeout=self._timeout) as resp:
+            async with self._session.get(url + "/health", headers=headers, timeout=self._timeout) as resp:
                 await resp.read()
-                healthy = resp.status == 200
                 if health_says_draining(resp.status):
                     replica.start_draining("/health answered 503")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            healthy = False
+                self._timeouts.pop(url, None)
+                return resp.status == 200
+        except asyncio.TimeoutError:
+            timeouts = self._timeouts[url] = self._timeouts.get(url, 0) + 1
+            if len(self._timeouts) > 65_536:  # replicas come and go with discovery
+                self._timeouts.pop(next(iter(self._timeouts)))
+            return None if replica.healthy and timeouts < TIMEOUTS_TO_UNHEALTHY else False
+        except (aiohttp.ClientError, OSError):
+            self._timeouts.pop(url, None)
+            return False
+
+    async def _poll(self, replica: Replica) -> None:
+        headers = self._headers_for(replica)
+        healthy = await self._health(replica, headers)
+        if healthy is None:
+            return  # one timed-out probe: keep the replica as it is, scrape it next time
         if healthy != replica.healthy:
             log.warning("replica %s (pool %s) is now %s", replica.url, replica.pool, "healthy" if healthy else "UNHEALTHY")
         replica.healthy = healthy

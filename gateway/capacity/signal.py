@@ -386,6 +386,11 @@ class CapacitySignal:
         stable.window_s = cfg.scale_down_stabilization_s
         desired = stable.update(now, needed.replicas, measured.replicas, bounds.min_replicas, bounds.max_replicas,
                                 hold=rises or measuring)
+        peers = merged.stable.get((name, role)) if merged.gateways > 1 else None
+        if peers is not None and peers.desired > desired:
+            # gateways sharing their demand publish one figure: each stabilizer holds its own peaks through the
+            # scale-down window, so the highest of them (as last shared) is what every gateway asks for
+            desired = bounded(peers.desired, bounds.min_replicas, bounds.max_replicas)
         entry = _entry(name, role, current, desired, needed, measured, (factor, risk), demand, latency, costs,
                        now - stable.changed_at, backlog, predict(role, led, costs, current, prefill_backlog=backlog),
                        predict(role, led, costs, desired, prefill_backlog=backlog))

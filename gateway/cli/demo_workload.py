@@ -7,6 +7,8 @@
                 tool pauses, then a think pause and a follow-up
     repository  a ~40K-token prompt                                every ~15 s    → repository pool
     document    a ~150K-token document                             every ~60 s    → extended pool
+    batch       a Batch API job of BATCH_LINES short chats          every ~30 s    → the batch class, into headroom
+                (/v1/files, then /v1/batches; the gateway runs it)
 
 Every kind starts within the first few seconds. Bounded: at most MAX_IN_FLIGHT requests (an agent session counts as
 one) at once, a kind whose turn comes while that bound is reached skips that turn; the long texts are built once.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import json
 import logging
 import random
 from collections import Counter
@@ -32,6 +35,7 @@ log = logging.getLogger("m3gate.demo")
 MAX_IN_FLIGHT = 6
 REPOSITORY_TOKENS = 40_000  # above the 32K interactive pool, inside the 128K repository pool
 DOCUMENT_TOKENS = 150_000  # above the 128K repository pool
+BATCH_LINES = 4
 SESSION_HEADER = "x-session-id"  # one of policies/sessions.py's SESSION_HEADERS (OpenCode's)
 WORDS = ("the and for you not are but all any can her was one our out day get has him his how man new now old see "
          "two way who boy did its let put say she too use top set run own off end few far ask big air box car cat "
@@ -51,6 +55,7 @@ CADENCES = (
     Cadence("agent", 1.5, 15.0),
     Cadence("repository", 2.5, 15.0),
     Cadence("document", 4.0, 60.0),
+    Cadence("batch", 3.0, 30.0),
 )
 KINDS = tuple(c.kind for c in CADENCES)
 
@@ -149,6 +154,8 @@ class DemoTraffic:
         try:
             if kind == "agent":
                 await self._agent(client, n)
+            elif kind == "batch":
+                await self._batch(client, n)
             else:
                 await self._send(client, kind, request_body(kind, n, self.model), {})
         except asyncio.CancelledError:
@@ -204,6 +211,28 @@ class DemoTraffic:
         messages.append({"role": "user", "content": "Thanks. Now add a test for it."})
         await self._send(client, "agent", {"model": self.model, "messages": messages, "max_tokens": 32,
                                            "stream": True, "stream_options": {"include_usage": True}}, headers)
+
+    async def _batch(self, client: httpx.AsyncClient, n: int) -> None:
+        """Upload BATCH_LINES short chats as a JSONL file and start a batch over it; the gateway runs it in the
+        headroom the other classes leave (its progress shows on the status page)."""
+        lines = [json.dumps({"custom_id": f"demo-{n}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": self.model, "max_tokens": 24, "messages": [
+                                 {"role": "user", "content": f"Batch {n} item {i}:" + text(f"batch-{i}", 40)}]}})
+                 for i in range(BATCH_LINES)]
+        self.counts["batch sent"] += 1
+        upload = await client.post("/v1/files", data={"purpose": "batch"},
+                                   files={"file": (f"demo-{n}.jsonl", ("\n".join(lines) + "\n").encode(),
+                                                   "application/jsonl")})
+        if upload.status_code != 200:
+            self._failed("batch", f"upload: HTTP {upload.status_code}")
+            return
+        job = await client.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window": "24h",
+                                                     "endpoint": "/v1/chat/completions",
+                                                     "metadata": {"source": "m3gate demo"}})
+        if job.status_code != 200:
+            self._failed("batch", f"create: HTTP {job.status_code}")
+            return
+        self.counts["batch ok"] += 1
 
     def _failed(self, kind: str, why: str) -> None:
         self.counts[f"{kind} failed"] += 1

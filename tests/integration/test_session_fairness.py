@@ -29,7 +29,8 @@ def _wait_until_admitted(gw_url: str, count: int, ended: list[tuple[float, str]]
     machine must not let a light session overtake a heavy request that had not yet reached the gateway."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        classes = httpx.get(gw_url + "/admin/traffic", timeout=5).json()["pools"]["interactive"]["classes"]
+        pools = httpx.get(gw_url + "/admin/traffic", timeout=5).json()["pools"]  # a pool's gate: from its 1st request
+        classes = pools.get("interactive", {}).get("classes", {})
         seen = classes.get("interactive", {})
         if seen.get("in_flight", 0) + seen.get("queued", 0) + len(ended) >= count:
             return

@@ -15,7 +15,8 @@ from loadtests.assets.screenshot_demo import DemoProcess, chromium, running_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.tools("chromium", "chromedriver")]
 
-CLASSES = ("interactive", "repository", "extended")
+CLASSES = ("interactive", "repository", "extended")  # the foreground classes: streams, TTFT and TPOT targets
+ALL_CLASSES = (*CLASSES, "batch")  # and the Batch API's built-in class (non-streamed: no TTFT)
 POOLS = ("interactive", "repository", "extended")
 
 
@@ -70,12 +71,16 @@ def test_the_demos_traffic_reaches_every_section(page: DemoPage) -> None:
     page.wait("three available replicas", lambda: page.js(
         "return Array.from(document.querySelectorAll('tr.replica')).map(r => r.dataset.state);") == ["available"] * 3,
         timeout=20)
-    # every class's TTFT p95 (the repository prompt and the long document take a few simulated seconds of prefill)
-    page.wait("a TTFT p95 for every class", lambda: all(
-        cells and cells[7] not in ("—", "") for cells in page.js(
+    # every foreground class's TTFT p95 (the repository prompt and the long document take a few simulated seconds of
+    # prefill), and the demo's batch jobs admitted in the batch class
+    def rows() -> dict[str, list[str]]:
+        return {cells[0]: cells for cells in page.js(
             "return Array.from(document.querySelectorAll('tr.traffic-class')).map("
-            "  r => Array.from(r.querySelectorAll('td')).map(c => c.innerText));")) and len(page.js(
-            "return document.querySelectorAll('tr.traffic-class');")) == 3, timeout=60)
+            "  r => Array.from(r.querySelectorAll('td')).map(c => c.innerText));")}
+
+    page.wait("a TTFT p95 for every foreground class", lambda: (lambda r: set(r) == set(ALL_CLASSES) and all(
+        r[c][7] not in ("—", "") for c in CLASSES))(rows()), timeout=60)
+    page.wait("the demo's batch requests admitted", lambda: float(rows()["batch"][4].split("/")[0]) > 0, timeout=60)
     pools = page.wait("waterfalls of the interactive and a long-prompt pool", lambda: (lambda seen: seen if (
         "interactive" in seen and {"repository", "extended"} & seen) else None)(set(page.js(
             "return Array.from(document.querySelectorAll('tr.recent-request')).map(r => r.dataset.pool);"))),
@@ -87,7 +92,7 @@ def test_the_demos_traffic_reaches_every_section(page: DemoPage) -> None:
         "  if (c[2] === 'header' && /\\((\\d+)\\)/.exec(c[6])[1] > 0 && /\\((\\d+)\\)/.exec(c[7])[1] > 0) return c; }"
         "return null;"), timeout=60)
     assert int(session[3]) >= 4  # two tool calls, the final answer, the follow-up
-    assert page.js("return document.querySelectorAll('#history svg.chart').length;") == 3 * 3 + 2 * 3
+    assert page.js("return document.querySelectorAll('#history svg.chart').length;") == 4 * 3 + 2 * 3
     assert page.console_errors() == []
 
 
@@ -100,7 +105,7 @@ def test_the_history_charts_draw_and_update(page: DemoPage) -> None:
     first = page.wait("lines in the interactive class's and pool's charts", lambda: (lambda d: d if (
         d.get("interactive-ttft", 0) >= 1 and d.get("interactive-admitted", 0) >= 1
         and d.get("interactive-in-flight", 0) >= 1) else None)(drawn()), timeout=30)
-    assert set(first) == {f"{c}-{m}" for c in CLASSES for m in ("ttft", "tpot", "admitted")} | {
+    assert set(first) == {f"{c}-{m}" for c in ALL_CLASSES for m in ("ttft", "tpot", "admitted")} | {
         f"{p}-{m}" for p in POOLS for m in ("in-flight", "kv")}
     # the gateway samples every 5 s and the page asks only for the new points: the lines grow
     later = page.wait("a new point", lambda: (lambda d: d if d["interactive-in-flight"] > first[

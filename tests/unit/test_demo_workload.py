@@ -16,7 +16,7 @@ MODEL = "MiniMaxAI/MiniMax-M3"
 
 def test_every_kind_comes_within_the_first_seconds() -> None:
     first = list(takewhile(lambda e: e[0] < 5.0, schedule(seed=3)))
-    assert set(KINDS) == {"chat", "reasoning", "agent", "repository", "document"}
+    assert set(KINDS) == {"chat", "reasoning", "agent", "repository", "document", "batch"}
     assert {kind for _, kind in first} == set(KINDS)
 
 
@@ -29,6 +29,7 @@ def test_the_mix_over_ten_minutes_is_light_and_mostly_chat() -> None:
     assert per_kind["chat"] > per_kind["reasoning"] > per_kind["document"]
     assert per_kind["agent"] > per_kind["document"] and per_kind["repository"] > per_kind["document"]
     assert 5 <= per_kind["document"] <= 15  # one every minute or so
+    assert per_kind["document"] < per_kind["batch"] < per_kind["repository"]  # a small batch job every ~30 s
 
 
 def test_each_body_is_shaped_for_its_pool() -> None:
