@@ -108,6 +108,7 @@ def _exception_handlers() -> dict[Any, Any]:
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, "The gateway failed on this request; it has been logged.", "server_error")
+        return error_response(500, "The gateway failed on this request; it has been logged.", "server_error",
+                                      code="internal_error")
 
     return {HTTPException: http_error, Exception: internal_error}

@@ -50,7 +50,8 @@ def generate_endpoints(coordinator: Coordinator) -> dict[str, ASGIApp]:
             response = await coordinator.serve(request, GENERATE_PATHS[scope["path"]])
         except Exception:  # a gateway bug: logged, answered as the exception handlers would
             log.exception("unexpected error on POST %s", scope["path"])
-            response = error_response(500, "The gateway failed on this request; it has been logged.", "server_error")
+            response = error_response(500, "The gateway failed on this request; it has been logged.", "server_error",
+                                      code="internal_error")
         await response(scope, receive, send)
 
     return {path: endpoint for path in GENERATE_PATHS}

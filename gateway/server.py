@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
-from gateway.errors import error_body
+from gateway.errors import REFUSAL_HEADER, error_body
 from policies.config import ConfigError, GatewayConfig, load_config
 
 
@@ -177,6 +177,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         body = error_body(message, "invalid_request_error", None, code)
         self.transport.write(
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n".encode() + body
+            f"{REFUSAL_HEADER}: {code}\r\nconnection: close\r\n\r\n".encode() + body
         )
         self.transport.close()

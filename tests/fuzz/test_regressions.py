@@ -67,6 +67,7 @@ def test_a_connection_that_never_sends_is_closed_with_a_408(gateway: GatewayProc
             data = s.recv(4096)
             assert data.startswith(b"HTTP/1.1 408"), data
             assert b'"type":"invalid_request_error"' in data and b'"code":"request_timeout"' in data
+            assert b"\r\nx-m3gate-refusal: request_timeout\r\n" in data.split(b"\r\n\r\n")[0] + b"\r\n"
             assert s.recv(4096) == b""  # and closed
         assert time.monotonic() - started < 4
 

@@ -297,4 +297,5 @@ def test_a_body_that_never_arrives_gets_a_408(gateway: GatewayProcess) -> None:
             reply += more
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b'"code":"request_timeout"' in reply
+    assert b"\r\nx-m3gate-refusal: request_timeout\r\n" in reply  # as on every refusal: the code, by header
     assert 0.4 <= waited < 3

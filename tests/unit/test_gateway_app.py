@@ -34,6 +34,7 @@ async def test_a_gateway_bug_on_the_fast_path_is_an_openai_500_and_the_next_requ
         assert response.status_code == 500
         error = response.json()["error"]
         assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
+        assert response.headers["x-m3gate-refusal"] == error["code"] == "internal_error"
         coordinator.classify = real
         bad = await client.post("/v1/chat/completions", content=b"{not json")  # still parsed and answered
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
