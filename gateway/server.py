@@ -96,11 +96,15 @@ def serve_granian(app: object, host: str, port: int, head_timeout_s: float) -> N
 
 
 def _return_freed_memory() -> None:
-    """Pin glibc's mmap and trim thresholds at 128 KiB. By default glibc raises its mmap threshold to the size of
-    each large buffer freed (up to 32 MiB), so after one big request body later ones come from the heap and their
-    pages stay in the RSS for good: the fuzz suite saw the RSS end 23 % above its baseline after 10,000 cases with
-    only ~1 MB more live Python objects (tracemalloc). Pinned, large buffers get their own mappings, unmapped when
-    freed (RSS within 7 % of baseline). No effect elsewhere than glibc, or when MALLOC_*_ variables are set."""
+    """Pin glibc's mmap and trim thresholds at 8 MiB. By default glibc raises its mmap threshold to the size of each
+    large buffer freed (up to 32 MiB, the trim threshold to twice that), so after one big body later ones came from
+    the heap and up to 64 MiB stayed resident for good: the fuzz suite saw the RSS end 23 % above its baseline after
+    10,000 cases with ~1 MB more live Python objects. Pinned lower (128 KiB) every long prompt's body and its copies
+    got fresh mappings instead, each page faulted in and zeroed by the kernel on first touch and unmapped when freed:
+    half of the gateway's CPU on a 95K-token request was that system time (3.75 of 7.5 ms). At 8 MiB a body up to
+    ~2M tokens is served from the heap, larger ones (hostile uploads) get their own mappings, and the heap gives back
+    free space beyond 8 MiB (fuzz suite: RSS after within 3 % of baseline; docs/performance.md). No effect elsewhere
+    than glibc, or when MALLOC_*_ variables are set."""
     if any(name.startswith("MALLOC_") for name in os.environ):
         return
     try:
@@ -109,8 +113,8 @@ def _return_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 128 * 1024)
-    mallopt(m_trim_threshold, 128 * 1024)
+    mallopt(m_mmap_threshold, 8 * 1024 * 1024)
+    mallopt(m_trim_threshold, 8 * 1024 * 1024)
 
 
 def _quiet_garbage_collector() -> None:
