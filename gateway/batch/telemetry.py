@@ -7,6 +7,7 @@ m3gate_batch_share_lowers_total (the steps this gateway took for the jobs it run
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -31,7 +32,7 @@ class JobOutlook(NamedTuple):
     def to_json(self) -> dict[str, object]:
         """The batch object's `m3gate` field."""
         finish = self.forecast.predicted_finish_at
-        return {"predicted_finish_at": None if finish is None else int(round(finish)),
+        return {"predicted_finish_at": None if finish is None else math.ceil(finish),
                 "lines_per_s": round(self.forecast.lines_per_s, 3), "at_risk": self.forecast.at_risk,
                 "share_step": self.share_step}
 

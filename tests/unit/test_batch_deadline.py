@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from gateway.admission import AdmissionControl
+from gateway.batch.runner import BatchRunner
 from policies.background import BackgroundWindow, lane_limits
 from policies.batch_deadline import Forecast, ShareStep, forecast, lane_floor, measured_rate, next_step
-from policies.config import BatchDeadlineConfig, TrafficClassConfig, TrafficConfig
+from policies.config import BatchDeadlineConfig, GatewayConfig, TrafficClassConfig, TrafficConfig
 from tests.unit.test_admission import FakeClient, FakeClock, _settle
 
 RULE = BatchDeadlineConfig(margin=0.9, on_track=0.6, step_interval_s=10.0, max_step=3, window_per_step=4)
@@ -137,3 +140,50 @@ async def test_a_raised_floor_lets_more_batch_work_in_only_while_the_foreground_
     chat2.release(), last.release()
     ctl.set_lane_floor("batch", 0)
     assert ctl.gates["p"].windows["batch"].floor == 0
+
+
+# the runner: every gateway forecasts every job, the one running it steps its share --------------------------------
+
+def _runner(admission: AdmissionControl) -> BatchRunner:
+    config = GatewayConfig.model_validate({"model": "m", "pools": [{"name": "p", "max_model_len": 8192}],
+                                           "batch": {"deadline": {"step_interval_s": 10.0, "window_per_step": 4}}})
+    gateway = SimpleNamespace(config=config, traffic=SimpleNamespace(admission=admission))
+    return BatchRunner(gateway, SimpleNamespace())  # type: ignore[arg-type]
+
+
+def _in_progress(runner: BatchRunner, now: float, done: int, samples: list[tuple[float, int]]) -> None:
+    batch = {"id": "batch_a", "status": "in_progress", "expires_at": now + 100,
+             "request_counts": {"total": 100, "completed": done, "failed": 0}}
+    runner._active = [("", batch)]
+    runner._progress["batch_a"] = deque(samples)
+
+
+def test_the_runner_steps_the_share_of_the_jobs_it_holds_and_sets_the_lane_floor() -> None:
+    ctl = _lane({"p": False})
+    runner, now = _runner(ctl), 1000.0
+    _in_progress(runner, now, 10, [(now - 20, 0), (now, 10)])  # 0.5 lines/s, 90 left: 180 s of 100
+    runner._judge_deadlines(now, held={"batch_a"})
+    outlook = runner.outlook("batch_a")
+    assert outlook == {"predicted_finish_at": 1180, "lines_per_s": 0.5, "at_risk": True, "share_step": 1}
+    assert runner.metrics.share_raises == 1 and ctl.lane_floor("batch") == 4
+    runner._judge_deadlines(now + 1, held={"batch_a"})  # within the interval: held
+    assert runner.outlook("batch_a")["share_step"] == 1 and runner.metrics.share_raises == 1
+    # since the raise, 60 lines in 15 s: 30 left need 7.5 s of 85: back on track, a step down, the floor with it
+    _in_progress(runner, now, 70, [(now - 20, 0), (now, 10), (now + 15, 70)])
+    runner._judge_deadlines(now + 15, held={"batch_a"})
+    assert runner.outlook("batch_a") == {"predicted_finish_at": 1023, "lines_per_s": 4.0, "at_risk": False,
+                                         "share_step": 0}
+    assert runner.metrics.share_lowers == 1 and ctl.lane_floor("batch") == 0
+    assert runner.outlook("batch_b")["share_step"] == 0  # not in progress: nothing predicted
+
+
+def test_a_gateway_not_running_the_job_forecasts_it_alike_but_takes_no_step() -> None:
+    ctl = _lane({"p": False})
+    runner, now = _runner(ctl), 1000.0
+    _in_progress(runner, now, 10, [(now - 20, 0), (now, 10)])
+    runner._judge_deadlines(now, held=set())
+    assert runner.outlook("batch_a")["at_risk"] and runner.outlook("batch_a")["share_step"] == 1
+    assert runner.metrics.share_raises == 0 and ctl.lane_floor("batch") == 0
+    metrics = {m.name: m for m in runner.metrics.collect()}
+    assert metrics["m3gate_batch_jobs_at_risk"].samples[0].value == 1
+    assert metrics["m3gate_batch_deadline_slack_seconds"].samples[0].value == -80.0  # predicted 80 s late
