@@ -178,7 +178,12 @@ class BatchRunner:
             rate = measured_rate(list(self._progress.get(batch_id, ())), min_span, before.changed_at)
             outlook = forecast(counts["total"] - counts["completed"] - counts["failed"], rate, now,
                                float(batch["expires_at"]), rule.margin)
-            after = next_step(before, outlook, now, rule) if rule.enabled else ShareStep()
+            if not rule.enabled:
+                after = ShareStep()
+            elif now >= batch["expires_at"]:  # past its window it sends nothing more: no step to take
+                after = before
+            else:
+                after = next_step(before, outlook, now, rule)
             if batch_id in held and after.step != before.step:
                 if after.step > before.step:
                     self.metrics.share_raises += 1

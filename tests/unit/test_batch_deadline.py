@@ -187,3 +187,12 @@ def test_a_gateway_not_running_the_job_forecasts_it_alike_but_takes_no_step() ->
     metrics = {m.name: m for m in runner.metrics.collect()}
     assert metrics["m3gate_batch_jobs_at_risk"].samples[0].value == 1
     assert metrics["m3gate_batch_deadline_slack_seconds"].samples[0].value == -80.0  # predicted 80 s late
+
+
+def test_past_its_window_a_job_is_at_risk_but_takes_no_more_steps() -> None:
+    ctl = _lane({"p": False})
+    runner, now = _runner(ctl), 1000.0
+    _in_progress(runner, now, 10, [(now - 20, 0), (now, 10)])
+    runner._judge_deadlines(now + 150, held={"batch_a"})  # its deadline was at 1100
+    assert runner.outlook("batch_a")["at_risk"] and runner.outlook("batch_a")["share_step"] == 0
+    assert runner.metrics.share_raises == 0
