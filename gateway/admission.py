@@ -41,7 +41,7 @@ from gateway.access import (
 from gateway.errors import QUEUE_MS_HEADER, queue_ms
 from gateway.record import RequestRecord
 from policies.admission import PoolGate, RetryLater, ServiceLedger, Waiter, retry_after_s
-from policies.background import has_headroom, lane_limits
+from policies.background import BackgroundWindow, has_headroom, lane_limits
 from policies.classify import RequestProfile
 from policies.errors import RequestRejected
 from policies.pool_choice import PoolChoice
@@ -114,6 +114,7 @@ class AdmissionControl:
         self._paused: dict[str, deque[tuple[Ticket, asyncio.Future[None]]]] = {}  # per pool: paused, oldest first
         self.ledger = ServiceLedger()  # attained service per session, across this process's pools
         self.counters: Counter[str] = Counter()
+        self._floors: dict[str, int] = {}  # background class → its window floor (batch deadlines)
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
         self.apply_config(traffic)
@@ -206,21 +207,41 @@ class AdmissionControl:
         limit = self._limits[cls]
         if cls not in self.background:
             return limit
-        return gate.window(cls, limit).limit() if self.headroom(pool, gate) else 0
+        return self._window(gate, cls).limit() if self.headroom(pool, gate) else 0
 
     def _pool_limits(self, pool: str, gate: PoolGate) -> dict[str, int]:
         if not self.background or not any(gate.queue.queued(cls) for cls in self.background):
             return self._limits  # no background request waits: its limit decides nothing here
         for cls in self.background:
-            gate.window(cls, self._limits[cls])
+            self._window(gate, cls)
         return lane_limits(self._limits, gate.windows, self.background, self.headroom(pool, gate))
+
+    def _window(self, gate: PoolGate, cls: str) -> BackgroundWindow:
+        """Background class `cls`'s window in the pool of `gate`, with the class's current floor."""
+        window = gate.window(cls, self._limits[cls])
+        window.floor = self._floors.get(cls, 0)
+        return window
+
+    def set_lane_floor(self, cls: str, floor: int) -> None:
+        """Background class `cls` may keep `floor` requests in flight per pool whatever its window, while there is
+        headroom (batch jobs at risk of missing their deadline; policies/batch_deadline.py)."""
+        if self._floors.get(cls, 0) == floor:
+            return
+        self._floors[cls] = floor
+        for gate in self.gates.values():
+            if cls in gate.windows:
+                gate.windows[cls].floor = floor
+        self._wake.set()  # a raised floor may let waiting background requests in
+
+    def lane_floor(self, cls: str) -> int:
+        return self._floors.get(cls, 0)
 
     def lane_ended(self, pool: str, cls: str, ok: bool, refused: bool) -> None:
         """A background request ended (before its slot is freed): a success grows its window, a refusal cuts it."""
         gate = self.gates.get(pool)
         if gate is None or cls not in self.background:
             return
-        window = gate.window(cls, self._limits[cls])
+        window = self._window(gate, cls)
         if refused:
             window.congested(self.clock())
         elif ok:
@@ -243,7 +264,7 @@ class AdmissionControl:
         if running and self.pressure(pool):
             now = self.clock()
             for cls in running:
-                gate.window(cls, self._limits[cls]).congested(now)
+                self._window(gate, cls).congested(now)
             if self._streams.get(pool) and self.saturated(pool) \
                     and not all(cls in self.background for cls in gate.queue.classes()):
                 self._pause_streams(pool)
@@ -311,7 +332,7 @@ class AdmissionControl:
         while waiting:
             ticket, future = waiting[0]
             limit = self._limits.get(ticket.cls)
-            if limit is not None and gate.in_flight.get(ticket.cls, 0) >= gate.window(ticket.cls, limit).limit():
+            if limit is not None and gate.in_flight.get(ticket.cls, 0) >= self._window(gate, ticket.cls).limit():
                 return
             waiting.popleft()
             if not future.done():
@@ -627,7 +648,8 @@ class TrafficControl:
                 headroom = admission.headroom(name, gate)
                 pools[name]["background"] = {c: {**lane, "size": round(gate.windows[c].size, 2), "headroom": headroom,
                                                  "increases": gate.windows[c].increases,
-                                                 "decreases": gate.windows[c].decreases}
+                                                 "decreases": gate.windows[c].decreases,
+                                                 "floor": gate.windows[c].floor}
                                              for c, lane in lanes.items()}
         ttft = {}
         for cls, cfg in classes.items():

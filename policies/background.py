@@ -5,7 +5,10 @@ pool's queue, no replica is saturated, the foreground classes' recent TTFT there
 `BackgroundWindow.limit()` of its requests are in flight. The window is AIMD, as TCP's congestion window: one more
 per request that ended well while the window was in use (additive increase), halved on a sign of congestion (a
 refusal, a saturated replica, a foreground request that missed its TTFT target: multiplicative decrease), at most
-once per `DECREASE_HOLD_S` so one burst of signals counts once. Pure: time is passed in.
+once per `DECREASE_HOLD_S` so one burst of signals counts once. A floor (`BackgroundWindow.floor`, set for batch
+jobs at risk of missing their deadline, policies/batch_deadline.py) keeps the window from being cut below it, but
+never lets the class in without headroom: a foreground class that queues, a saturated replica or a missed
+foreground target still stop the lane entirely. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ class BackgroundWindow:
     decreased_at: float = -math.inf
     increases: int = 0
     decreases: int = 0
+    floor: int = 0  # urgent work's minimum (batch deadlines); the headroom gate still stops the lane entirely
 
     def limit(self) -> int:
-        """Requests of the class that may be in flight in the pool now: at least one (the headroom gate, not the
-        window, is what stops it entirely)."""
-        return max(1, min(self.ceiling, int(self.size)))
+        """Requests of the class that may be in flight in the pool now: at least one and at least the floor, at
+        most the ceiling (the headroom gate, not the window, is what stops it entirely)."""
+        return max(1, min(self.ceiling, max(self.floor, int(self.size))))
 
     def succeeded(self, in_flight_before: int) -> None:
         """One of its requests ended well. The window grows only while it was in use (`in_flight_before`: its

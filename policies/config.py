@@ -830,6 +830,37 @@ class CapacityConfig(_Strict):
 _DURATION = r"^[1-9][0-9]*[smhd]$"
 
 
+class BatchDeadlineConfig(_Strict):
+    """How a batch job at risk of missing its completion window gets a larger share of the background lane
+    (docs/batch.md, Deadlines): never more than the headroom the foreground classes leave."""
+
+    enabled: bool = Field(default=True, description="Raise the lane's share of jobs predicted to miss their window.")
+    margin: float = Field(
+        default=0.9, gt=0, le=1, description="A job is at risk when the lines it has left, at its measured rate, "
+        "need more than this share of the time left to its deadline.",
+    )
+    on_track: float = Field(
+        default=0.6, gt=0, le=1, description="Its share is lowered a step once they need less than this share "
+        "(between the two: held, so that a job does not flap).",
+    )
+    step_interval_s: float = Field(
+        default=10.0, gt=0, le=3600, description="A job's share changes by one step at most this often; its rate "
+        "is measured over at least this long before it is judged.",
+    )
+    max_step: int = Field(default=4, ge=1, le=64, description="The highest share step.")
+    window_per_step: int = Field(
+        default=4, ge=1, le=1024, description="Each step raises the batch class's background window floor by this "
+        "many requests in flight per pool (still at most its max_concurrency, and none while the lane has no "
+        "headroom).",
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> BatchDeadlineConfig:
+        if self.on_track > self.margin:
+            raise ValueError(f"batch.deadline.on_track ({self.on_track}) must not exceed margin ({self.margin})")
+        return self
+
+
 class BatchConfig(_Strict):
     """The OpenAI Batch API (/v1/files, /v1/batches; docs/batch.md): where jobs and files are kept, their limits,
     and how their requests run."""
@@ -863,6 +894,7 @@ class BatchConfig(_Strict):
         "renewing (killed) loses its jobs to another gateway (or to itself restarted) after this long.",
     )
     poll_interval_s: float = Field(default=0.5, gt=0, le=60, description="How often the runner looks for work.")
+    deadline: BatchDeadlineConfig = Field(default_factory=BatchDeadlineConfig)
 
     @field_validator("completion_windows")
     @classmethod

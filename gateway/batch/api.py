@@ -3,7 +3,8 @@
 
 Access: a client key sees only the files and batches it created (anything else is a 404, as if it did not exist);
 the admin key (`admin.api_key`) sees and cancels all of them but creates nothing. On a gateway without client keys
-everyone is the same anonymous owner. Uploads stream to disk (Starlette's multipart parser spools to a temporary
+everyone is the same anonymous owner. Every batch object carries an `m3gate` field next to OpenAI's (the SDKs keep
+extra fields): its deadline outlook (docs/batch.md, Deadlines). Uploads stream to disk (Starlette's multipart parser spools to a temporary
 file); one larger than `batch.max_file_bytes` or with more than `batch.max_requests` lines gets a 413.
 """
 
@@ -211,7 +212,7 @@ async def create_batch(request: Request) -> Response:
     obj = _new_batch(endpoint, str(input_id), body["completion_window"], window, metadata)
     await _store(request).add_batch(obj, owner, obj["expires_at"])
     _runner(request).wake()
-    return JSONResponse(obj)
+    return JSONResponse(_shown(request, obj))
 
 
 def _new_batch(endpoint: str, input_id: str, window_text: str, window_s: float, metadata: Any) -> dict[str, Any]:
@@ -227,14 +228,14 @@ def _new_batch(endpoint: str, input_id: str, window_text: str, window_s: float, 
 async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     found = await _store(request).get_batch(batch_id, _owner(request)) if _id(batch_id) else None
-    return JSONResponse(found) if found else _not_found("batch", batch_id)
+    return JSONResponse(_shown(request, found)) if found else _not_found("batch", batch_id)
 
 
 async def list_batches(request: Request) -> Response:
     limit = _limit(request)
     after = request.query_params.get("after")
     data = await _store(request).list_batches(_owner(request), limit + 1, _id(after) or ("-" if after else None))
-    return JSONResponse(_page(data[:limit], len(data) > limit))
+    return JSONResponse(_page([_shown(request, b) for b in data[:limit]], len(data) > limit))
 
 
 async def cancel_batch(request: Request) -> Response:
@@ -249,7 +250,13 @@ async def cancel_batch(request: Request) -> Response:
         return error_response(409, f"Batch {batch_id} is {found['status']}; only a validating or in-progress batch "
                               "can be cancelled.", "invalid_request_error", code="batch_not_cancellable")
     _runner(request).wake()
-    return JSONResponse(changed or found)
+    return JSONResponse(_shown(request, changed or found))
+
+
+def _shown(request: Request, batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch object as answered: OpenAI's fields and `m3gate`, its deadline outlook (not stored: each
+    gateway forecasts every job in progress)."""
+    return {**batch, "m3gate": _runner(request).outlook(batch["id"])}
 
 
 def _page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

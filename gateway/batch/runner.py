@@ -7,7 +7,12 @@ no HTTP to itself): the same admission, class queue, routing and telemetry as an
 capacity (429, 503) is run again later, never written as a failure.
 
 Order: jobs by earliest deadline first; within a job, lines by prefix group (policies/batch.py), so a group's
-shared prefix stays cached on the replica that serves it. Cancel stops dispatching at once and lets the lines in
+shared prefix stays cached on the replica that serves it.
+
+Deadlines: every look at the store, each job in progress gets a forecast from its measured lines per second
+(policies/batch_deadline.py); one predicted to miss its window gets a higher share step, which raises the batch
+class's background window floor in this gateway's admission (still nothing without headroom), and back on track a
+lower one. The batch object's `m3gate` field and the `m3gate_batch_*` deadline metrics say so. Cancel stops dispatching at once and lets the lines in
 flight finish; so does the end of the completion window, whose unfinished lines get `batch_expired` errors.
 
 Restart: a result is stored before its line counts as done; lines in flight at a kill have none and run again when
@@ -38,7 +43,7 @@ from starlette.responses import Response
 from gateway.access import ANONYMOUS, IN_PROCESS_CLIENT, Client
 from gateway.batch.files import LineScan, read_at, write_outputs
 from gateway.batch.store import BatchStore, Job, PendingLine
-from gateway.batch.telemetry import BatchMetrics
+from gateway.batch.telemetry import NO_OUTLOOK, BatchMetrics, JobOutlook
 from gateway.coordinator import Coordinator
 from gateway.runtime import Gateway
 from policies.batch import (
@@ -52,6 +57,7 @@ from policies.batch import (
     lines_to_send,
     output_line,
 )
+from policies.batch_deadline import ShareStep, forecast, lane_floor, measured_rate, next_step
 from policies.traffic import CLASS_HEADER
 
 log = logging.getLogger("m3gate.batch")
@@ -84,6 +90,8 @@ class BatchRunner:
         self._active: list[tuple[str, dict[str, Any]]] = []  # (owner, batch) of unfinished jobs, at the last tick
         self._progress: dict[str, deque[tuple[float, int]]] = {}  # batch id → (time, lines done) samples
         self._sampled_at = float("-inf")
+        self._shares: dict[str, ShareStep] = {}  # batch id → its share step (jobs in progress)
+        self._floor_class: str | None = None  # the class whose lane floor this runner last set
 
     # lifecycle -------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -137,6 +145,7 @@ class BatchRunner:
             self._sampled_at = time.monotonic()
             self.metrics.jobs = await store.counts_by_status()
             await self._sample_progress(store)
+            self._judge_deadlines(time.time(), set(jobs))
         for batch_id in dispatch_order(JobDeadline(job.id, job.expires_at) for job in jobs.values()):
             await self._advance(jobs[batch_id], time.time())
 
@@ -153,6 +162,56 @@ class BatchRunner:
         for gone in [b for b in self._progress if b not in live]:
             del self._progress[gone]
 
+    def _judge_deadlines(self, now: float, held: set[str]) -> None:
+        """Each job in progress: its forecast and next share step; the steps of the jobs held here set the batch
+        class's lane floor in this gateway's admission (every gateway judges every job, so each answers the
+        `m3gate` field alike; only the one running a job counts its steps)."""
+        rule = self.gw.config.batch.deadline
+        min_span = min(rule.step_interval_s, PROGRESS_WINDOW_S)
+        outlooks: dict[str, JobOutlook] = {}
+        shares: dict[str, ShareStep] = {}
+        for _, batch in self._active:
+            if batch["status"] != "in_progress":
+                continue
+            batch_id, counts = batch["id"], batch["request_counts"]
+            before = self._shares.get(batch_id, ShareStep())
+            rate = measured_rate(list(self._progress.get(batch_id, ())), min_span, before.changed_at)
+            outlook = forecast(counts["total"] - counts["completed"] - counts["failed"], rate, now,
+                               float(batch["expires_at"]), rule.margin)
+            if not rule.enabled:
+                after = ShareStep()
+            elif now >= batch["expires_at"]:  # past its window it sends nothing more: no step to take
+                after = before
+            else:
+                after = next_step(before, outlook, now, rule)
+            if batch_id in held and after.step != before.step:
+                if after.step > before.step:
+                    self.metrics.share_raises += 1
+                else:
+                    self.metrics.share_lowers += 1
+                log.info("batch %s: share step %d → %d (%.2f lines/s, predicted finish %s, deadline %d)",
+                         batch_id, before.step, after.step, outlook.lines_per_s, outlook.predicted_finish_at,
+                         batch["expires_at"])
+            shares[batch_id] = after
+            outlooks[batch_id] = JobOutlook(outlook, float(batch["expires_at"]), after.step)
+        self._shares, self.metrics.outlooks = shares, outlooks
+        self._set_floor(lane_floor((s.step for b, s in shares.items() if b in held), rule.window_per_step))
+
+    def _set_floor(self, floor: int) -> None:
+        admission = self.gw.traffic.admission
+        cls = self.gw.config.batch.class_
+        if self._floor_class not in (None, cls):  # a reload moved batch requests to another class
+            admission.set_lane_floor(self._floor_class, 0)
+        admission.set_lane_floor(cls, floor)
+        self._floor_class = cls
+
+    def outlook(self, batch_id: str) -> dict[str, Any]:
+        """A batch object's `m3gate` field: its predicted finish (unix seconds), lines per second, whether it is
+        at risk of missing its window, its share step (as of the last look; nothing predicted once it is not in
+        progress)."""
+        found = self.metrics.outlooks.get(batch_id)
+        return found.to_json() if found is not None else dict(NO_OUTLOOK)
+
     def view(self) -> list[dict[str, Any]]:
         """The status page's active jobs: progress, lines per second and the predicted finish against the
         deadline (across all gateways on the store, as of the last tick)."""
@@ -162,6 +221,8 @@ class BatchRunner:
             rate, finish = finish_estimate(list(self._progress.get(batch["id"], ())), counts["total"])
             out.append({"id": batch["id"], "owner": owner, "status": batch["status"], "endpoint": batch["endpoint"],
                         **counts, "lines_per_s": round(rate, 2), "predicted_finish": finish,
+                        "at_risk": self.outlook(batch["id"])["at_risk"],
+                        "share_step": self.outlook(batch["id"])["share_step"],
                         "expires_at": batch["expires_at"], "created_at": batch["created_at"]})
         return out
 

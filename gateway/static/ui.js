@@ -349,6 +349,7 @@ const BATCH_COLUMNS = [
   ["batch", null, "the batch id"], ["owner", null, "the API key that created it"], ["status", null, "validating, in_progress, finalizing or cancelling"],
   ["done", "num", "lines finished (completed + failed) of the total"], ["lines/s", "num", "over the last minute"],
   ["predicted finish", "num", "when the lines left end at the current rate"], ["deadline", "num", "the end of its completion window"],
+  ["share step", "num", "raised while the job is predicted to miss its deadline (at risk: marked), lowered once back on track"],
 ];
 
 function renderBatch(jobs) {
@@ -362,6 +363,7 @@ function renderBatch(jobs) {
     h("td", { class: "num" }, String(j.lines_per_s)),
     h("td", { class: j.predicted_finish && j.predicted_finish > j.expires_at ? "num error" : "num" }, when(j.predicted_finish)),
     h("td", { class: "num" }, when(j.expires_at)),
+    h("td", { class: j.at_risk ? "num error" : "num" }, `${j.share_step ?? 0}${j.at_risk ? " at risk" : ""}`),
   ]));
   box.replaceChildren(table(BATCH_COLUMNS, rows));
 }
