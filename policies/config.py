@@ -576,6 +576,11 @@ class TrafficClassConfig(_Strict):
         "upstream request ended, the client held, resumed exactly later) to make room for foreground requests "
         "waiting on a saturated pool; after that it runs to the end.",
     )
+    pause_keepalive_s: float = Field(
+        default=15.0, ge=0, le=3600, description="Background classes: while one of its streams is paused, an SSE "
+        "comment line (`: paused`, which SSE clients skip) is written this often so that the client's and any "
+        "proxy's idle timeouts do not cut the held connection; 0: nothing is written while paused.",
+    )
     targets: LatencyTargets = Field(
         default_factory=LatencyTargets, description="Latency objectives per percentile (TTFT, TPOT, end to end): "
         "the operating contract `m3gate contract` writes and checks, and the SLO alert rules it generates.",

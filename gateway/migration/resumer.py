@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,8 @@ from policies.vllm_wire import (
 )
 from pools.replica_tokenize import post_tokenize
 from pools.replicas import PoolRuntime, Replica
+
+PAUSE_KEEPALIVE = b": paused\n\n"  # an SSE comment: written to a paused stream's client now and then
 
 
 @dataclass(slots=True)
@@ -217,7 +220,7 @@ class Resumer:
         while True:
             paused = self.pausing
             if paused:
-                await self._wait_for_lane()
+                await self._wait_for_lane(send)
             elif migrations == self.max_migrations:
                 return False
             else:
@@ -240,12 +243,24 @@ class Resumer:
             if not self.pausing:
                 failed.add(leg.replica.url)
 
-    async def _wait_for_lane(self) -> None:
-        """Paused: its admission slot goes back, the client gets nothing until the lane has room again."""
+    async def _wait_for_lane(self, send: Send) -> None:
+        """Paused: its admission slot goes back, and until the lane has room again the client gets only an SSE
+        comment every `pause_keepalive_s` of its class (SSE clients skip comments; idle timeouts see bytes)."""
         ticket = self.record.admission_ticket
         if ticket is not None:
             self.gw.telemetry.pause(ticket.pool, ticket.cls)
-            await self.gw.traffic.admission.paused(ticket)
+            cfg = self.gw.config.traffic.classes.get(ticket.cls)
+            every = cfg.pause_keepalive_s if cfg is not None else 0.0
+            waiting = asyncio.ensure_future(self.gw.traffic.admission.paused(ticket))
+            try:
+                while not (await asyncio.wait((waiting,), timeout=every or None))[0]:
+                    await self._write(send, PAUSE_KEEPALIVE)
+                waiting.result()
+            finally:
+                if not waiting.done():  # the client left while paused (a write failed, or this task was cancelled)
+                    waiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiting
         self.pausing = False
 
     def _blame(self, pool_name: str, url: str) -> None:

@@ -39,7 +39,7 @@ def gateway() -> Iterator[GatewayProcess]:
                     "chat": {"priority": 0, "max_concurrency": 32, "queue_length": 64, "max_queue_wait_s": 60,
                              "ttft_target_s": 30},
                     "batch": {"priority": 9, "background": True, "max_concurrency": 8, "queue_length": 64,
-                              "max_queue_wait_s": 60, "max_pauses": 2},
+                              "max_queue_wait_s": 60, "max_pauses": 2, "pause_keepalive_s": 0.05},
                 },
             },
         })
@@ -145,8 +145,12 @@ def _greedy(gw: GatewayProcess, case: str, headers: dict[str, str]) -> dict[str,
         raw = resp.read().decode()
     out: dict[str, Any] = {"reasoning": "", "content": "", "text": "", "ids": set(), "finishes": [], "usage": None,
                            "errors": 0, "done": 0}
+    keepalives = 0  # SSE comments written while paused: not part of the answer
     for event in raw.split("\n\n"):
         if not event.strip():
+            continue
+        if event == ": paused":
+            keepalives += 1
             continue
         data = event.removeprefix("data: ")
         if data == "[DONE]":
@@ -168,7 +172,11 @@ def _greedy(gw: GatewayProcess, case: str, headers: dict[str, str]) -> dict[str,
             if choice.get("finish_reason"):
                 out["finishes"].append(choice["finish_reason"])
     out["ids"] = len(out["ids"])
+    KEEPALIVES[case] = KEEPALIVES.get(case, 0) + keepalives
     return out
+
+
+KEEPALIVES: dict[str, int] = {}  # per case, the keep-alive comments its streams got (pause_keepalive_s: 0.05)
 
 
 def _pauses(gw: GatewayProcess) -> float:
@@ -211,3 +219,4 @@ def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: Gat
     assert 1 <= paused - before <= 2 * len(PAUSED_CASES)  # paused, at most max_pauses times each
     assert httpx.get(gateway.url + "/admin/traffic", timeout=5).json()["counters"]["paused"] == paused
     assert out == alone  # token for token: nothing repeated, lost or altered, no error, one id, one [DONE]
+    assert sum(KEEPALIVES.values()) >= 1  # a paused stream's client got bytes while it waited
