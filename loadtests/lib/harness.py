@@ -31,7 +31,7 @@ def write_results(out: Path | None, name: str, data: Mapping[str, Any], md: str)
     run folder; returns the folder (printed by the caller)."""
     folder = out or run_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), **data}, indent=2))
+    (folder / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), **data}, indent=2, default=str))
     (folder / f"{name}.md").write_text(md + "\n")
     return folder
 
