@@ -28,7 +28,7 @@ from gateway.errors import UpstreamFailure, rejected_response
 from gateway.learning import Learning
 from gateway.migration import Resumer, StallWatch
 from gateway.record import RequestRecord
-from gateway.relay import StreamRelay, upstream_payload
+from gateway.relay import CollectedAnswer, StreamRelay, upstream_payload
 from gateway.runtime import Gateway
 from gateway.upstream import Attempt, Failed, Streamed, Target, Upstream, blame_answered_5xx
 from policies.admission import RetryLater
@@ -65,6 +65,7 @@ class Prepared(NamedTuple):
     payload: bytes  # the body the replica gets
     strip_usage: bool  # the usage chunk was asked for by the gateway, not the client
     refused: str | None  # why the stream cannot be resumed elsewhere (None: it can, or it is no resumable stream)
+    collected: bool = False  # a non-streamed request sent upstream as a stream (policies/collected.py)
 
 
 class Coordinator:
@@ -90,9 +91,10 @@ class Coordinator:
             ready = await self.prepare(request, record, client, raw, api)
             resumer = self.resumer(record, ready.body, api, ready.payload, ready.strip_usage, ready.choice,
                                    ready.routing, ready.refused) \
-                if ready.profile.stream and gw.config.routing.migration.enabled else None
-            return await self.forward(request, record, ready.choice, ready.profile, ready.routing, ready.payload,
-                                      ready.strip_usage, resumer)
+                if (ready.profile.stream or ready.collected) and gw.config.routing.migration.enabled else None
+            answer = await self.forward(request, record, ready.choice, ready.profile, ready.routing, ready.payload,
+                                        ready.strip_usage, resumer)
+            return CollectedAnswer(answer, api) if ready.collected and isinstance(answer, StreamRelay) else answer
         except RequestRejected as exc:
             record.status, record.error = exc.status, exc.code or exc.type
             await self.finished(record)
@@ -141,11 +143,23 @@ class Coordinator:
                                                fairness_session(record, client.key_id, session))
         routing = self.with_slos(request, record, RoutingRequest(profile.prompt_tokens, profile.output_budget, blocks,
                                                                  session, output_estimate=output))
-        resume = resumable and profile.stream and gw.config.routing.migration.enabled
+        migration = gw.config.routing.migration.enabled
+        # a non-streamed background request goes upstream as a stream, so that the lane can pause and resume it
+        # (policies/collected.py); its client gets the non-streamed answer put together from it
+        collected = resumable and usage and migration and not profile.stream and self._background(record) \
+            and refusal(body, api) is None
+        stream = profile.stream or collected
+        resume = resumable and stream and migration
         refused = refusal(body, api) if resume else None  # "api": Responses and Messages streams carry no ids
-        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, profile.stream and usage,
-                                                admitted.priority, token_ids=resume and refused is None)
-        return Prepared(body, profile, admitted.choice, routing, payload, strip_usage, refused)
+        payload, strip_usage = upstream_payload(body, raw, api, gw.config.model, stream and usage,
+                                                admitted.priority, token_ids=resume and refused is None,
+                                                force_stream=collected)
+        return Prepared(body, profile, admitted.choice, routing, payload, strip_usage and not collected, refused,
+                        collected)
+
+    def _background(self, record: RequestRecord) -> bool:
+        cfg = self.gw.config.traffic.classes.get(record.traffic_class)
+        return cfg is not None and cfg.background
 
     # 1. classify -------------------------------------------------------------------------------------------
     async def classify(self, body: dict[str, Any], api: str, body_size: int) -> RequestProfile:

@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import orjson
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.record import RequestRecord
+from policies.collected import answer_from_events
 from pools.replicas import LoadGuard
 from pools.tasks import Periodic
 
@@ -47,14 +48,15 @@ _NOT_FORWARDED_BYTES = frozenset(name.encode() for name in NOT_FORWARDED)
 
 def upstream_payload(
     body: dict[str, Any], raw: bytes, api: str, model: str, stream: bool, priority: int | None = None,
-    token_ids: bool = False,
+    token_ids: bool = False, force_stream: bool = False,
 ) -> tuple[bytes, bool]:
     """The body sent to the replica: unchanged bytes unless routing needs a change. Returns (payload, strip_usage).
 
     Aliases are rewritten to the served model id, and a streamed chat/completion asks for the usage chunk so the
     gateway learns token counts (the client never sees that chunk unless it asked for it). `priority` is the traffic
     class's, for pools whose vLLM schedules by priority (it replaces any the client sent). `token_ids`: a resumable
-    stream asks for `return_token_ids` (gateway/migration/ strips them from what the client gets).
+    stream asks for `return_token_ids` (gateway/migration/ strips them from what the client gets). `force_stream`: a
+    non-streamed request sent upstream as a stream (policies/collected.py).
 
     Fields the client did not send are spliced in before the body's closing brace rather than writing the whole body
     again (a 3 MB prompt costs ~2.5 ms to serialise); a field it sent with another value means writing it again."""
@@ -69,6 +71,8 @@ def upstream_payload(
             added[key] = value
         body[key] = value
 
+    if force_stream and body.get("stream") is not True:
+        put("stream", True)
     if priority is not None and body.get("priority") != priority:
         put("priority", priority)
     if body.get("model") != model:
@@ -200,6 +204,38 @@ def stream_error_event(api: str, message: str, code: int = 502) -> bytes:
         return b"event: error\ndata: " + body + b"\n\n"
     body = orjson.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": code}})
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+
+
+class CollectedAnswer:
+    """ASGI response for a non-streamed request the gateway sent upstream as a stream (a background request, so that
+    the lane can pause it and resume it exactly; docs/scheduling.md): its relay, resumptions included, runs into a
+    buffer, and the client gets the one JSON object a non-streamed answer is (policies/collected.py). A client that
+    leaves meanwhile gets nothing; the relay ends the upstream request as for any stream."""
+
+    _STREAM_HEADERS = frozenset({b"content-type", b"content-length", b"transfer-encoding", b"cache-control"})
+
+    def __init__(self, relay: StreamRelay, api: str) -> None:
+        self.relay = relay
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers: list[tuple[bytes, bytes]] = []
+        events: list[bytes] = []
+
+        async def collect(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers.extend(message.get("headers") or ())
+            elif message["type"] == "http.response.body":
+                events.append(message.get("body", b""))
+
+        await self.relay(scope, receive, collect)
+        if self.relay.record.client_disconnected:
+            return
+        status, body = answer_from_events(b"".join(events), self.api)
+        kept = [(k, v) for k, v in headers if k.lower() not in self._STREAM_HEADERS]
+        await send({"type": "http.response.start", "status": status, "headers": [
+            *kept, (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

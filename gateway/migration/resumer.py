@@ -34,6 +34,7 @@ from policies.vllm_wire import (
 from pools.replica_tokenize import post_tokenize
 from pools.replicas import PoolRuntime, Replica
 
+FINGERPRINT_WAIT_S = 0.5  # after a continuation's finish chunk, how long its usage chunk is waited for
 PAUSE_KEEPALIVE = b": paused\n\n"  # an SSE comment: written to a paused stream's client now and then
 
 
@@ -118,6 +119,7 @@ class Resumer:
     pauses: int = 0  # times the background lane paused it (gateway/admission.py)
     pausing: bool = False  # its current leg is being ended by a pause, not a failure
     current: tuple[Held, SseFilter] | None = None  # the leg being relayed, and the filter the relay reads it through
+    fingerprint: str | None = None  # the replicas' system_fingerprint, from a continuation's usage chunk
 
     def parts(self, held: Held, replica: Replica, strip_usage: bool) -> tuple[SseFilter | None, Any]:
         """The first leg's filter and the relay's resume hook: the id-keeping filter, watched for stalls, when the
@@ -360,10 +362,14 @@ class Resumer:
                 for event in events:
                     obj = event_json(event)
                     if obj is not None:
+                        if self.finish is not None:  # past the finish chunk: only the usage chunk's fingerprint
+                            self._keep_fingerprint(obj)
+                            continue
                         out.append(handle(obj))
-                    if self.finish is not None or self.aborted:
+                    if self.aborted:
                         break
                 if self.finish is not None:
+                    await self._read_fingerprint(content, buf)
                     out.append(self._ending())
                 body = b"".join(out)
                 if body:
@@ -378,6 +384,31 @@ class Resumer:
             if not chunk:
                 return False
             buf += chunk
+
+    def _keep_fingerprint(self, obj: dict[str, Any]) -> None:
+        fingerprint = obj.get("system_fingerprint")
+        if isinstance(fingerprint, str):
+            self.fingerprint = fingerprint
+
+    async def _read_fingerprint(self, content: Any, buf: bytes) -> None:
+        """The replica's usage chunk follows its finish chunk at once, with the `system_fingerprint` an uninterrupted
+        stream ends with: read up to it (briefly; without it the stream ends without a fingerprint)."""
+        try:
+            async with asyncio.timeout(FINGERPRINT_WAIT_S):
+                while self.fingerprint is None:
+                    *events, buf = buf.split(b"\n\n")
+                    for event in events:
+                        obj = event_json(event)
+                        if obj is not None:
+                            self._keep_fingerprint(obj)
+                    if self.fingerprint is not None or b"[DONE]" in b"".join(events):
+                        return
+                    chunk = await content.readany()
+                    if not chunk:
+                        return
+                    buf += chunk
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return
 
     async def _write(self, send: Send, body: bytes, scanner: Any = None, end: bool = False) -> None:
         if scanner is not None:
@@ -471,5 +502,8 @@ class Resumer:
         counted = stream_usage(self.prompt_tokens or self.record.prompt_tokens_est, len(self.generated))
         self.record.usage = usage or counted
         if self.include_usage and usage is None:
-            return sse_event(usage_chunk(self.head, self.api, counted)) + STREAM_DONE
+            chunk = usage_chunk(self.head, self.api, counted)
+            if self.fingerprint is not None:
+                chunk["system_fingerprint"] = self.fingerprint
+            return sse_event(chunk) + STREAM_DONE
         return STREAM_DONE

@@ -115,3 +115,51 @@ def test_a_paused_stream_on_real_vllm_equals_its_uninterrupted_answer(
     assert usage is not None and usage.completion_tokens == N == ref["usage"]["completion_tokens"]
     assert finish == "length" == choice["finish_reason"]
     assert got == expected, (got, expected)
+
+
+def _comparable(answer: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed answer less what differs between two runs of one request: its id and time, and the usage
+    details (prompt tokens cached; a resumed answer's usage is the gateway's count)."""
+    out = {k: v for k, v in answer.items() if k not in ("id", "created")}
+    out["usage"] = {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return out
+
+
+def lane_in_flight(gw: GatewayProcess) -> int:
+    pool = httpx.get(gw.url + "/admin/traffic", timeout=5).json()["pools"].get("p", {})
+    return int(pool.get("background", {}).get("batch", {}).get("in_flight", 0))
+
+
+@pytest.mark.parametrize("api", list(CASES))
+def test_a_paused_non_streamed_request_on_real_vllm_answers_as_vllm_does(
+        stack: tuple[VllmServer, GatewayProcess], api: str) -> None:
+    """Sent upstream as a stream so that it can be paused, put together into the object vLLM itself answers
+    non-streamed: field for field the same, paused or not."""
+    server, gw = stack
+    path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
+    body = {"model": MODEL, "max_tokens": N, "temperature": 0, "ignore_eos": True, **CASES[api]}
+    ref = _comparable(httpx.post(server.url + path, json=body, timeout=300).json())
+    batch = {"x-m3gate-class": "batch"}
+    assert _comparable(httpx.post(gw.url + path, json=body, headers=batch, timeout=300).json()) == ref
+    client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=300)
+    before, got = pauses(gw), []
+    asked = threading.Thread(target=lambda: got.append(httpx.post(gw.url + path, json=body, headers=batch,
+                                                                  timeout=300)))
+    asked.start()
+    deadline = time.monotonic() + 30
+    while lane_in_flight(gw) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # some of its tokens are out
+    threads = [threading.Thread(target=foreground, args=(client, [])) for _ in range(5)]
+    for t in threads[:3]:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not saturated(gw) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for t in threads[3:]:
+        t.start()
+    for t in [*threads, asked]:
+        t.join(180)
+    assert pauses(gw) > before, "the non-streamed background request was not paused"
+    assert got and got[0].status_code == 200 and got[0].headers["content-type"] == "application/json"
+    assert _comparable(got[0].json()) == ref

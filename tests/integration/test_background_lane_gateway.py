@@ -220,3 +220,68 @@ def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: Gat
     assert httpx.get(gateway.url + "/admin/traffic", timeout=5).json()["counters"]["paused"] == paused
     assert out == alone  # token for token: nothing repeated, lost or altered, no error, one id, one [DONE]
     assert sum(KEEPALIVES.values()) >= 1  # a paused stream's client got bytes while it waited
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+UNSTREAMED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    **PAUSED_CASES,
+    "chat_tool": ("/chat/completions", {"messages": [{"role": "user", "content": "read the file"}], "tools": TOOLS,
+                                        "tool_choice": "required"}),
+}
+
+
+def _unstreamed(url: str, case: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One greedy non-streamed answer, less what differs between two runs of one request (its id and time, a tool
+    call's id, the usage details: the prompt tokens the replica had cached)."""
+    path, body = UNSTREAMED_CASES[case]
+    wire = {"model": MODEL, "temperature": 0, "max_tokens": 100, "ignore_eos": case != "chat_tool", **body}
+    resp = httpx.post(url + path, json=wire, headers=headers, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"] == "application/json"
+    answer = resp.json()
+    answer.pop("id"), answer.pop("created")
+    # the counts; a resumed answer's usage is the gateway's count, without the replica's details (docs/scheduling.md)
+    answer["usage"] = {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    for call in answer["choices"][0].get("message", {}).get("tool_calls") or ():
+        assert call.pop("id").startswith("chatcmpl-tool-")
+    return answer
+
+
+def test_a_non_streamed_background_request_answers_as_the_replica_would(gateway: GatewayProcess) -> None:
+    """Sent upstream as a stream (so that it can be paused), put together into vLLM's non-streamed answer: the same
+    object as the replica's own non-streamed answer, field for field."""
+    replica = next(iter(httpx.get(gateway.url + "/admin/pools", timeout=5).json()["pools"]["p"]["replicas"]))
+    for case in UNSTREAMED_CASES:
+        assert _unstreamed(gateway.base_url, case, BATCH) == _unstreamed(replica + "/v1", case), case
+
+
+def test_a_paused_non_streamed_background_request_equals_its_uninterrupted_answer(gateway: GatewayProcess) -> None:
+    before = _pauses(gateway)
+    cases = [c for c in UNSTREAMED_CASES if c != "chat_tool"]  # the tool call ends too soon to be paused
+    alone = {case: _unstreamed(gateway.base_url, case, BATCH) for case in cases}
+    assert _pauses(gateway) == before
+    while _lane(gateway)["window"] < 3:
+        warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
+        for t in warm:
+            t.join(30)
+    out: dict[str, dict[str, Any]] = {}
+    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _unstreamed(gateway.base_url, c, BATCH)))
+               for case in cases]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while _lane(gateway)["in_flight"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
+    burst, answers = _in_threads(8, lambda: _stream(client, 24))
+    deadline = time.monotonic() + 10
+    while not _pool(gateway).get("saturated") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    more, more_answers = _in_threads(6, lambda: _stream(client, 24))
+    for t in burst + more + threads:
+        t.join(60)
+    assert len(answers) == 8 and all(answers) and len(more_answers) == 6 and all(more_answers)
+    assert 1 <= _pauses(gateway) - before <= 2 * len(cases)
+    for case in cases:  # the held partial answer went on exactly: one object, nothing repeated or lost
+        assert json.dumps(out[case], sort_keys=True) == json.dumps(alone[case], sort_keys=True), case
