@@ -16,17 +16,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
 from gateway.errors import REFUSAL_HEADER, error_body
+from gateway.supervisor import set_parent_death_signal, supervise, worker_sockets
 from policies.config import ConfigError, GatewayConfig, load_config
 
 
-def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
+def load_app(config_path: str, worker: int | None = None) -> tuple[GatewayConfig, Starlette] | None:
     """What both front doors (`m3gate serve`, `m3gate epp`) start from: logging, the config (None, its error
     printed, when it is invalid) and the app, with the process's memory settings for a long-running gateway."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load_config(config_path, worker)
+    if config is None:
         return None
     _return_freed_memory()
     app = build_app(config, config_path)
@@ -34,33 +32,66 @@ def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
     return config, app
 
 
-def serve(config_path: str, host: str | None = None, port: int | None = None) -> int:
-    loaded = load_app(config_path)
+def _load_config(config_path: str, worker: int | None = None) -> GatewayConfig | None:
+    where = "" if worker is None else f"worker {worker} "
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
+def serve(config_path: str, host: str | None = None, port: int | None = None, worker: int | None = None) -> int:
+    """One gateway process; with server.workers > 1 the supervisor of that many (gateway/supervisor.py), each of
+    them this again with `worker` set: the same start-up (memory settings, app, protocol) on a shared port."""
+    if worker is not None:
+        set_parent_death_signal()
+    config = _load_config(config_path, worker)
+    if config is None:
+        return 2
+    host = host or config.server.host
+    port = port if port is not None else config.server.port
+    listener = os.environ.get("M3GATE_LISTENER") or config.server.listener
+    if listener not in ("uvicorn", "granian"):
+        print(f"unknown listener {listener!r} (uvicorn or granian)", file=sys.stderr)
+        return 2
+    if worker is None and config.server.workers > 1:
+        if listener != "uvicorn":
+            print("server.workers > 1 runs uvicorn workers; M3GATE_LISTENER=granian is single-process",
+                  file=sys.stderr)
+            return 2
+        return supervise(config, config_path, host, port)
+    loaded = load_app(config_path, worker)
     if loaded is None:
         return 2
     config, app = loaded
-    if config.admin.api_key is None:
+    if config.admin.api_key is None and not worker:
         logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
-    listener = os.environ.get("M3GATE_LISTENER") or config.server.listener
     if listener == "granian":
-        serve_granian(app, host or config.server.host, port if port is not None else config.server.port,
-                      config.limits.body_read_timeout_s)
+        serve_granian(app, host, port, config.limits.body_read_timeout_s)
         return 0
-    if listener != "uvicorn":
-        print(f"unknown listener {listener!r} (uvicorn or granian)", file=sys.stderr)
-        return 2
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app,
-        host=host or config.server.host,
-        port=port if port is not None else config.server.port,
+        host=host,
+        port=port,
         loop="uvloop",
         http=type("GatewayHttpProtocol", (GatewayHttpProtocol,),
                   {"head_timeout_s": config.limits.body_read_timeout_s}),
         log_level="warning",
         access_log=False,
         timeout_keep_alive=30,
-    )
-    return 0
+    ))
+    if worker is None:
+        server.run()
+    else:
+        try:
+            sockets = worker_sockets(host, port, worker, config.server.worker_port_base)
+        except OSError as exc:
+            print(f"worker {worker}: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        server.run(sockets=list(sockets))
+    return 0 if server.started else 3  # 3: the app's startup failed (uvicorn.run's exit status)
 
 
 def serve_granian(app: object, host: str, port: int, head_timeout_s: float) -> None:
