@@ -17,7 +17,6 @@ import os
 import random
 import re
 import signal
-import socket
 import string
 import time
 from collections.abc import Iterator
@@ -28,38 +27,13 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli.launcher import GatewayProcess, start_gateway
+from gateway.cli.launcher import GatewayProcess, child_pids, consecutive_free_ports, start_gateway
 from loadtests.lib.private_redis import PrivateRedis
 from policies.prefix import prefix_blocks
 from policies.replica_choice import rendezvous_weight
 from pools.sim.launcher import SimProcess, running_sims
 
 MODEL = "MiniMaxAI/MiniMax-M3"
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 also free (each worker's own port)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port >= 65535:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
-def children(pid: int) -> set[int]:
-    try:
-        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-    except OSError:
-        return set()
 
 
 def _wait_healthy(url: str, timeout: float = 60.0) -> None:
@@ -82,7 +56,7 @@ def replicas() -> Iterator[list[SimProcess]]:
 
 @pytest.fixture(scope="module")
 def workers(private_redis: PrivateRedis, replicas: list[SimProcess]) -> Iterator[tuple[GatewayProcess, list[str]]]:
-    base = _two_free_ports()
+    base = consecutive_free_ports(2)
     config = {
         "model": MODEL,
         "pools": [{"name": "interactive", "max_model_len": 8192, "endpoints": [s.url for s in replicas]}],
@@ -164,18 +138,18 @@ def test_a_sessions_turns_through_either_worker_reach_one_replica(
 
 def test_a_killed_worker_is_replaced_and_sigterm_stops_them_all(workers: tuple[GatewayProcess, list[str]]) -> None:
     gw, own = workers
-    first = children(gw.pid)
+    first = child_pids(gw.pid)
     assert len(first) == 2
     victim = min(first)
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while not (len(children(gw.pid)) == 2 and victim not in children(gw.pid)):
+    while not (len(child_pids(gw.pid)) == 2 and victim not in child_pids(gw.pid)):
         assert time.monotonic() < deadline, f"no replacement for worker {victim}:\n{gw.log_tail()}"
         time.sleep(0.1)
     for url in own:
         _wait_healthy(url)
     assert "restarting in" in gw.log_path.read_text()
-    pids = children(gw.pid)
+    pids = child_pids(gw.pid)
     gw.stop(20)
     assert gw._proc.returncode == 0, gw.log_tail()
     for pid in pids:
