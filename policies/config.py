@@ -960,7 +960,7 @@ class GatewayConfig(_Strict):
     def _workers_share_state(self) -> GatewayConfig:
         """Several workers route as one only through Redis: with memory state each would keep its own prefix index,
         session pins and in-flight counts, and a session's turns would scatter over the replicas."""
-        if self.server.workers > 1 and not self.state:
+        if self.server.workers > 1 and self.state in (None, "", "memory"):
             raise ValueError(f"server.workers: {self.server.workers} needs `state: redis://...` (the workers share "
                              "routing state through it); docs/deployment.md, \"Process model\"")
         if self.server.workers > 1 and self.server.listener != "uvicorn":

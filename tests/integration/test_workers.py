@@ -8,7 +8,10 @@ Three simulated replicas, `m3gate serve` with two workers, `state: redis://...` 
   and a request sharing its prefix without the session finds that replica too. Not passable by luck: the session is
   pinned first to a replica that is NOT its prefix's cold (rendezvous) choice, so a worker that did not learn the
   pin and the prefix from the other would send it elsewhere;
-- a worker killed with SIGKILL is replaced, and SIGTERM to the supervisor stops every worker cleanly.
+- SIGHUP to the supervisor reloads every worker, and a batch file uploaded through one worker is read through the
+  other (one batch folder and store for all);
+- a worker killed with SIGKILL is replaced, and SIGTERM to the supervisor stops every worker cleanly and removes the
+  batch folder it made.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import random
 import re
 import signal
 import string
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +76,16 @@ def workers(private_redis: PrivateRedis, replicas: list[SimProcess]) -> Iterator
         yield gw, own
     finally:
         gw.stop(20)
+
+
+def _batch_dirs(pids: set[int]) -> set[str]:
+    """The batch folders the workers were given (M3GATE_BATCH_FILES_DIR in their environment)."""
+    names = set()
+    for pid in pids:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"M3GATE_BATCH_FILES_DIR="):
+                names.add(Path(item.split(b"=", 1)[1].decode()).name)
+    return names
 
 
 def _requests_answered(url: str) -> float:
@@ -136,6 +150,23 @@ def test_a_sessions_turns_through_either_worker_reach_one_replica(
     assert endpoint == pinned, "a request sharing the prefix did not find the replica it is cached on"
 
 
+def test_sighup_reloads_every_worker_and_a_batch_file_is_one_folder_for_all(
+    workers: tuple[GatewayProcess, list[str]]
+) -> None:
+    gw, own = workers
+    os.kill(gw.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while not all(httpx.get(url + "/admin/reload", timeout=5).json()["message"].startswith("SIGHUP") for url in own):
+        assert time.monotonic() < deadline, f"not every worker reloaded:\n{gw.log_tail()}"
+        time.sleep(0.1)
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
+    uploaded = httpx.post(own[0] + "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", line)},
+                          timeout=10)
+    assert uploaded.status_code == 200, uploaded.text
+    seen = httpx.get(own[1] + f"/v1/files/{uploaded.json()['id']}", timeout=10)
+    assert seen.status_code == 200 and seen.json()["filename"] == "in.jsonl", seen.text
+
+
 def test_a_killed_worker_is_replaced_and_sigterm_stops_them_all(workers: tuple[GatewayProcess, list[str]]) -> None:
     gw, own = workers
     first = child_pids(gw.pid)
@@ -150,9 +181,12 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_them_all(workers: tuple[G
         _wait_healthy(url)
     assert "restarting in" in gw.log_path.read_text()
     pids = child_pids(gw.pid)
+    batch_dirs = _batch_dirs(pids)
+    assert len(batch_dirs) == 1  # one folder for both workers
     gw.stop(20)
     assert gw._proc.returncode == 0, gw.log_tail()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert not [p for p in Path(tempfile.gettempdir()).glob("m3gate-batch-*") if p.name in batch_dirs]
     log = gw.log_path.read_text()
     assert "SIGTERM: stopping 2 workers" in log and "Traceback" not in log, gw.log_tail()

@@ -28,6 +28,8 @@ def test_one_worker_is_the_default_and_needs_nothing() -> None:
 def test_several_workers_need_redis_state() -> None:
     with pytest.raises(ConfigError, match=r"server.workers: 2 needs `state: redis://...`"):
         parse_config(BASE + "server: {workers: 2}\n", env={})
+    with pytest.raises(ConfigError, match="needs `state: redis://...`"):
+        parse_config(BASE + "server: {workers: 2}\nstate: memory\n", env={})
     config = parse_config(BASE + "server: {workers: 2}\nstate: redis://127.0.0.1:6379/0\n", env={})
     assert config.server.workers == 2
     config = parse_config(BASE + "server: {workers: 2}\n", env={"M3GATE_STATE": "redis://127.0.0.1:6379/0"})
