@@ -16,7 +16,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
 from gateway.errors import REFUSAL_HEADER, error_body
-from gateway.supervisor import set_parent_death_signal, supervise, worker_sockets
+from gateway.supervisor import prepare_worker, supervise, worker_sockets
 from policies.config import ConfigError, GatewayConfig, load_config
 
 
@@ -46,7 +46,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, wo
     """One gateway process; with server.workers > 1 the supervisor of that many (gateway/supervisor.py), each of
     them this again with `worker` set: the same start-up (memory settings, app, protocol) on a shared port."""
     if worker is not None:
-        set_parent_death_signal()
+        prepare_worker()
     config = _load_config(config_path, worker)
     if config is None:
         return 2

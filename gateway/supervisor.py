@@ -11,7 +11,8 @@ nothing) so that a port in use fails here with a clear message and port 0 resolv
 The supervisor: forwards SIGTERM / SIGINT to every worker once (each drains through its own lifespan shutdown) and
 exits when they have; forwards SIGHUP (each worker reloads the config); restarts a worker that dies, after a
 back-off that doubles with each quick death (a worker that lived `HEALTHY_S` starts over at `FIRST_BACKOFF_S`), and
-gives up when one keeps dying at start (`MAX_QUICK_DEATHS`). Workers run in their own process group, so a terminal's
+gives up only when one keeps dying at start (`MAX_QUICK_DEATHS`) while no other is up: a config edit that breaks
+start-up must not take down the workers still serving. Workers run in their own process group, so a terminal's
 Ctrl-C reaches them through the supervisor only (uvicorn force-exits on a second SIGINT), and ask the kernel for a
 SIGTERM if the supervisor dies (prctl PDEATHSIG; `m3gate serve --worker`).
 
@@ -114,9 +115,10 @@ class Supervisor:
             if lived >= HEALTHY_S:
                 slot.backoff_s, slot.quick_deaths = FIRST_BACKOFF_S, 0
             slot.quick_deaths += 1
-            if slot.quick_deaths >= MAX_QUICK_DEATHS:
-                log.error("worker %d exited with %s %d times in a row, each within %g s: giving up", slot.index,
-                          code, slot.quick_deaths, HEALTHY_S)
+            serving = any(other.proc is not None and other.proc.poll() is None for other in self.slots)
+            if slot.quick_deaths >= MAX_QUICK_DEATHS and not serving:
+                log.error("worker %d exited with %s %d times in a row, each within %g s, and no worker is up: "
+                          "giving up", slot.index, code, slot.quick_deaths, HEALTHY_S)
                 return False
             slot.restart_at = now + slot.backoff_s
             log.warning("worker %d exited with %s after %.1f s; restarting in %.1f s", slot.index, code, lived,
@@ -201,9 +203,11 @@ def supervise(config: GatewayConfig, config_path: str, host: str, port: int) -> 
             shutil.rmtree(batch_dir, ignore_errors=True)
 
 
-def set_parent_death_signal() -> None:
+def prepare_worker() -> None:
     """Ask Linux to SIGTERM this worker when its supervisor dies (even by SIGKILL): no orphaned workers holding the
-    port. No effect elsewhere."""
+    port; no effect elsewhere. And ignore SIGHUP until the app's own handler (a reload) is installed: a reload asked
+    while this worker starts must not end it."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         import ctypes
 

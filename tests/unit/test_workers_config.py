@@ -70,6 +70,14 @@ class _Dead:
         return self.returncode
 
 
+class _Alive:
+    returncode = None
+    pid = 0
+
+    def poll(self) -> None:
+        return None
+
+
 def _died(slot: WorkerSlot, started_at: float) -> None:
     slot.proc = _Dead(1)  # type: ignore[assignment]
     slot.started_at = started_at
@@ -88,7 +96,16 @@ def test_a_dying_worker_is_restarted_after_a_doubling_back_off_and_given_up_on_a
         waits.append(slot.restart_at - now)
     assert waits == [FIRST_BACKOFF_S * 2 ** i for i in range(MAX_QUICK_DEATHS - 1)]
     _died(slot, now - 1.0)
-    assert not supervisor.reap(now)  # kept dying at start: give up
+    assert not supervisor.reap(now)  # kept dying at start, and no other worker is up: give up
+
+
+def test_a_worker_that_keeps_dying_is_retried_while_another_serves() -> None:
+    supervisor = Supervisor("pools.yaml", "127.0.0.1", 8080, 2)
+    dying, serving = WorkerSlot(0, quick_deaths=MAX_QUICK_DEATHS), WorkerSlot(1)
+    serving.proc = _Alive()  # type: ignore[assignment]
+    supervisor.slots = [dying, serving]
+    _died(dying, 999.0)
+    assert supervisor.reap(1000.0) and dying.restart_at is not None
 
 
 def test_a_worker_that_lived_long_restarts_at_the_first_back_off_and_none_restarts_while_stopping() -> None:
