@@ -20,16 +20,18 @@ from gateway.supervisor import prepare_worker, supervise, worker_sockets
 from policies.config import ConfigError, GatewayConfig, load_config
 
 
-def load_app(config_path: str, worker: int | None = None) -> tuple[GatewayConfig, Starlette] | None:
+def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
     """What both front doors (`m3gate serve`, `m3gate epp`) start from: logging, the config (None, its error
     printed, when it is invalid) and the app, with the process's memory settings for a long-running gateway."""
-    config = _load_config(config_path, worker)
-    if config is None:
-        return None
+    config = _load_config(config_path)
+    return None if config is None else (config, _build_app(config, config_path))
+
+
+def _build_app(config: GatewayConfig, config_path: str) -> Starlette:
     _return_freed_memory()
     app = build_app(config, config_path)
     _quiet_garbage_collector()
-    return config, app
+    return app
 
 
 def _load_config(config_path: str, worker: int | None = None) -> GatewayConfig | None:
@@ -62,10 +64,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, wo
                   file=sys.stderr)
             return 2
         return supervise(config, config_path, host, port)
-    loaded = load_app(config_path, worker)
-    if loaded is None:
-        return 2
-    config, app = loaded
+    app = _build_app(config, config_path)
     if config.admin.api_key is None and not worker:
         logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
     if listener == "granian":
@@ -82,15 +81,17 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, wo
         access_log=False,
         timeout_keep_alive=30,
     ))
-    if worker is None:
-        server.run()
-    else:
+    sockets = None
+    if worker is not None:
         try:
-            sockets = worker_sockets(host, port, worker, config.server.worker_port_base)
+            sockets = list(worker_sockets(host, port, worker, config.server.worker_port_base))
         except OSError as exc:
             print(f"worker {worker}: cannot listen: {exc.strerror or exc}", file=sys.stderr)
             return 2
-        server.run(sockets=list(sockets))
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: the stop asked for (as uvicorn.run)
+        pass
     return 0 if server.started else 3  # 3: the app's startup failed (uvicorn.run's exit status)
 
 
