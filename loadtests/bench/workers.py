@@ -7,12 +7,14 @@ Throughput: zero-latency replicas (loadtests/bench/scale.py's fleet: `--replicas
 behind three gateways started side by side: one process as deployed by default (`server.workers: 1`, memory state),
 the same with `state: redis://...` (what sharing costs one process), and two workers (`server.workers: 2`: the
 supervisor and its two processes, sharing state through Redis, as workers > 1 needs); the Redis is the bench's own
-(loadtests/lib/private_redis.py), a database per gateway. A closed loop of `--concurrency` clients sends
-non-streaming chat requests to each in turn, interleaved round by round (the order alternating); each one's req/s is
+(loadtests/lib/private_redis.py), a database per gateway. A closed loop of `--concurrency` keep-alive connections
+(a bare asyncio client on uvloop: about a fifth of aiohttp's CPU per request) sends non-streaming chat requests to
+each in turn, interleaved round by round (the order alternating); each one's req/s is
 the median of its rounds, and the ratio 2 workers ÷ 1 process is printed (goal ≥ 1.7×). The gateways' CPU
 (/proc/PID/stat: the supervisor and its workers together) per request is read around each segment, and so are this
-process's (the load generator's) and the fleet's: on a 2-core machine all three share the two cores, so the
-measured ratio is bounded by what the load generator and replicas leave. The ratio a gateway with two cores of its
+process's (the load generator's) and the fleet's: on a 2-core machine all three share the two cores (with whatever
+else runs there: the load average is recorded), so the measured ratio is bounded by what they leave; the cores the
+gateway kept busy are printed per variant. The ratio a gateway with two cores of its
 own would reach is printed beside it, from the CPU per request: 2 × (1 process's ÷ 2 workers'), the ceiling of two
 cores over the ceiling of one.
 
@@ -30,7 +32,9 @@ workers.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import re
 import resource
 import statistics
 import time
@@ -39,8 +43,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from gateway.cli.launcher import child_pids, consecutive_free_ports
-from loadtests.bench.overhead import chat_body, run_segment
+from loadtests.bench.overhead import chat_body
 from loadtests.bench.policies import KV_BLOCKS, REPLICAS, SIM_ARGS, agent_spec
 from loadtests.bench.scale import Fleet, scale_config
 from loadtests.lib.client import Target
@@ -51,6 +57,7 @@ from loadtests.lib.results import Results
 from loadtests.lib.workload import build_plan
 
 GOAL_RATIO = 1.7
+_CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)")
 
 
 class Gateway:
@@ -91,6 +98,89 @@ def _self_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class _Client(asyncio.Protocol):
+    """One keep-alive connection sending the same request back to back: HTTP/1.1 bytes written and a response
+    counted when its body is complete (content-length, or a chunked body's last chunk). A tenth of aiohttp's CPU per
+    request, so that on 2 cores the gateway, not the load generator, gets the CPU."""
+
+    def __init__(self, request: bytes, loop_state: _LoopState) -> None:
+        self.request = request
+        self.state = loop_state
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].lower()
+        length = _CONTENT_LENGTH.search(head)
+        if length is not None:
+            if len(self.buf) < end + 4 + int(length.group(1)):
+                return
+        elif not self.buf.endswith(b"0\r\n\r\n"):  # a chunked body's last chunk
+            return
+        ok = head.startswith(b"http/1.1 200")
+        self.buf = b""
+        assert self.transport is not None
+        if self.state.count(ok):
+            self.transport.write(self.request)
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.closed += 1
+        if self.state.closed >= self.state.connections:
+            self.state.done.set()
+
+
+class _LoopState:
+    def __init__(self, connections: int, measure_from: float, end: float) -> None:
+        self.connections, self.measure_from, self.end = connections, measure_from, end
+        self.ok = self.errors = self.closed = 0
+        self.done = asyncio.Event()
+
+    def count(self, ok: bool) -> bool:
+        """Counts an answer (after the warm-up); False when the segment is over (the connection closes)."""
+        now = time.perf_counter()
+        if now >= self.measure_from:
+            if ok:
+                self.ok += 1
+            else:
+                self.errors += 1
+        return now < self.end
+
+
+def closed_loop_segment(url: str, body: dict[str, Any], concurrency: int, seconds: float, pids: Sequence[int],
+                        warmup_s: float = 0.3) -> dict[str, float]:
+    """`concurrency` connections sending back to back for warm-up + `seconds`: requests answered and errors after
+    the warm-up, wall seconds, and the CPU seconds of `pids` (the gateway) over the measured part."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = orjson.dumps(body)
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+
+    async def go() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        state = _LoopState(concurrency, start + warmup_s, start + warmup_s + seconds)
+        for _ in range(concurrency):
+            await loop.create_connection(lambda: _Client(request, state), host, int(port))
+        await asyncio.sleep(max(0.0, state.measure_from - time.perf_counter()))
+        cpu0 = sum(cpu_seconds(pid) for pid in pids)
+        await asyncio.wait_for(state.done.wait(), seconds + 30)
+        wall = max(1e-9, min(time.perf_counter(), state.end) - state.measure_from)
+        return {"ok": state.ok, "errors": state.errors, "wall": wall,
+                "gw_cpu": sum(cpu_seconds(pid) for pid in pids) - cpu0}
+
+    return asyncio.run(go())
+
+
 VARIANTS = {"1 process": (1, False), "1 process, Redis state": (1, True), "2 workers": (2, True)}
 """name → (workers, state in Redis): the default deployment, the same with the sharing the workers need, 2 workers"""
 
@@ -110,7 +200,7 @@ def throughput(rounds: int, seconds: float, concurrency: int, replicas: int, red
         time.sleep(3.0)  # every replica probed and scraped by every process
         body = chat_body(16, False)
         for gw in gateways.values():  # warm-up: connections to the replicas, caches
-            run_segment([gw.url], body, concurrency, 1.0, (), "workers warm-up")
+            closed_loop_segment(gw.url, body, concurrency, 1.0, ())
         per: dict[str, dict[str, Any]] = {name: {"rps": [], "ok": 0, "gw_cpu": 0.0, "load_cpu": 0.0,
                                                  "fleet_cpu": 0.0, "errors": 0} for name in gateways}
         order = list(gateways)
@@ -118,19 +208,17 @@ def throughput(rounds: int, seconds: float, concurrency: int, replicas: int, red
             for name in (order if r % 2 == 0 else order[::-1]):
                 gw = gateways[name]
                 load0, fleet0 = _self_cpu(), cpu_seconds(fleet.proc.pid)
-                seg = run_segment([gw.url], body, concurrency, seconds, gw.pids, f"workers {name}")
+                seg = closed_loop_segment(gw.url, body, concurrency, seconds, gw.pids)
                 row = per[name]
-                row["rps"].append(seg.ok / seg.wall)
-                row["ok"] += seg.ok
-                row["errors"] += sum(seg.errors.values())
-                row["gw_cpu"] += seg.gw_cpu or 0.0
+                rps, per_request = seg["ok"] / seg["wall"], seg["gw_cpu"] / max(1.0, seg["ok"]) * 1e3
+                row["rps"].append(rps)
+                row["ok"] += seg["ok"]
+                row["errors"] += seg["errors"]
+                row["gw_cpu"] += seg["gw_cpu"]
                 row["load_cpu"] += _self_cpu() - load0
                 row["fleet_cpu"] += cpu_seconds(fleet.proc.pid) - fleet0
-                parts = "+".join(f"{c:.2f}" for c in seg.gw_cpu_parts[1:]) if len(gw.pids) > 1 else ""
-                print(f"  round {r + 1} {name}: {seg.ok / seg.wall:,.0f} req/s, gateway CPU "
-                      f"{(seg.gw_cpu or 0.0) / max(1, seg.ok) * 1e3:.3f} ms/request"
-                      f"{' (workers ' + parts + ' s)' if parts else ''}"
-                      f"{' errors ' + str(seg.errors) if seg.errors else ''}", flush=True)
+                print(f"  round {r + 1} {name}: {rps:,.0f} req/s, gateway CPU {per_request:.3f} ms/request"
+                      f"{', errors ' + str(seg['errors']) if seg['errors'] else ''}", flush=True)
         out: dict[str, dict[str, Any]] = {}
         for name, row in per.items():
             ok = max(1, row["ok"])
@@ -202,11 +290,11 @@ ONE, SHARED, TWO = VARIANTS
 
 def report(tp: dict[str, dict[str, Any]], hits: dict[int, float | None], concurrency: int) -> str:
     lines = [f"Closed loop c={concurrency}, zero-latency replicas, non-streaming chat; medians of interleaved rounds",
-             "", "| gateway | req/s | gateway CPU ms/req | load generator CPU ms/req | replicas CPU ms/req |",
-             "|---|---|---|---|---|"]
+             "", "| gateway | req/s | gateway cores busy | gateway CPU ms/req | load generator CPU ms/req | "
+             "replicas CPU ms/req |", "|---|---|---|---|---|---|"]
     for name, row in tp.items():
-        lines.append(f"| {name} | {row['rps']:,.0f} | {row['gw_cpu_ms']:.3f} | {row['load_cpu_ms']:.3f} | "
-                     f"{row['fleet_cpu_ms']:.3f} |")
+        lines.append(f"| {name} | {row['rps']:,.0f} | {row['rps'] * row['gw_cpu_ms'] / 1e3:.2f} | "
+                     f"{row['gw_cpu_ms']:.3f} | {row['load_cpu_ms']:.3f} | {row['fleet_cpu_ms']:.3f} |")
     lines += ["", f"req/s, 2 workers ÷ 1 process: {_fmt(_ratio(tp[TWO]['rps'], tp[ONE]['rps']), '.2f')}×",
               f"2 cores' ceiling ÷ 1 core's, from the gateway's CPU per request: {_fmt(_projected(tp), '.2f')}×",
               "", "Prefix-cache hit rate (replicas' /metrics), agent workload, turns alternating between the workers:",
@@ -221,8 +309,8 @@ def _projected(tp: dict[str, dict[str, Any]]) -> float | None:
     return None if ratio is None else 2.0 * ratio
 
 
-def results_of(tp: dict[str, dict[str, Any]], hits: dict[int, float | None], args: argparse.Namespace
-               ) -> Results:
+def results_of(tp: dict[str, dict[str, Any]], hits: dict[int, float | None], args: argparse.Namespace,
+               load_average: float | None = None) -> Results:
     results = Results("workers", vars(args),
                       reference="one gateway process (server.workers: 1, memory state), same run")
     one, shared, two = tp[ONE], tp[SHARED], tp[TWO]
@@ -230,6 +318,9 @@ def results_of(tp: dict[str, dict[str, Any]], hits: dict[int, float | None], arg
                 "×", at_least=GOAL_RATIO)
     results.add("req/s, 2 workers", two["rps"], "req/s", reference="1 process", reference_value=one["rps"])
     results.add("2 cores' ceiling ÷ 1 core's, from the gateway's CPU per request", _projected(tp), "×")
+    results.add("gateway cores busy, 2 workers", two["rps"] * two["gw_cpu_ms"] / 1e3, "cores",
+                reference="1 process", reference_value=one["rps"] * one["gw_cpu_ms"] / 1e3)
+    results.add("machine load average (1 min) after the throughput rounds", load_average, "")
     results.add("gateway CPU per request, 2 workers", two["gw_cpu_ms"], "ms", reference="1 process",
                 reference_value=one["gw_cpu_ms"])
     results.add("gateway CPU per request, 1 process with Redis state", shared["gw_cpu_ms"], "ms",
@@ -256,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="results folder (default loadtests/results/<time>-workers/)")
     args = parser.parse_args(argv)
     raise_fd_limit(20_000)
+    try:
+        import uvloop
+
+        uvloop.install()  # the load generator's own loop: the cheaper, the more CPU is left to the gateway
+    except ImportError:
+        pass
     rounds, seconds = (2, 3.0) if args.quick else (args.rounds, args.seconds)
     folder = args.out or run_dir("workers")
     folder.mkdir(parents=True, exist_ok=True)
@@ -264,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"throughput: {rounds} rounds of {seconds:g} s, c={args.concurrency}, {os.cpu_count()} cores", flush=True)
         tp = throughput(rounds, seconds, args.concurrency, args.replicas, redis)
+        load_average = os.getloadavg()[0]
+        print(f"machine load average (1 min) after the rounds: {load_average:.2f}", flush=True)
         hits: dict[int, float | None] = {}
         if not args.skip_affinity:
             print("affinity: the agent workload through 1 process, then 2 workers ...", flush=True)
@@ -273,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(tp, hits, args.concurrency)
     print()
     print(text)
-    results_of(tp, hits, args).write(folder)
+    results_of(tp, hits, args, load_average).write(folder)
     (folder / "workers.md").write_text(text + "\n")
     print(f"results: {folder}")
     return 0

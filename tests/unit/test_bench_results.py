@@ -289,4 +289,4 @@ def test_workers_bench_judges_the_ratio_and_the_hit_rate(tmp_path: Path) -> None
     assert (ratio["value"], ratio["passed"]) == (pytest.approx(1.5), False)
     assert figures["2 cores' ceiling ÷ 1 core's, from the gateway's CPU per request"]["value"] == pytest.approx(1.6)
     assert figures["prefix-cache hit rate, 2 workers alternating"]["passed"] is True
-    assert "| 2 workers | 3,000 | 0.500 |" in workers.report(tp, {1: 0.80, 2: 0.78}, 32)
+    assert "| 2 workers | 3,000 | 1.50 | 0.500 |" in workers.report(tp, {1: 0.80, 2: 0.78}, 32)
