@@ -110,6 +110,8 @@ class Gateway:
         notes = []
         if config.server.host != old.server.host or config.server.port != old.server.port:
             notes.append("server.host/port changes take effect on restart")
+        if (config.server.workers, config.server.worker_port_base) != (old.server.workers, old.server.worker_port_base):
+            notes.append("server.workers/worker_port_base changes take effect on restart")
         if config.state != old.state:
             notes.append("`state` changes take effect on restart")
         if (config.batch.enabled, config.batch.store, config.batch.files_dir) != \

@@ -16,51 +16,83 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import build_app
 from gateway.errors import REFUSAL_HEADER, error_body
+from gateway.supervisor import prepare_worker, supervise, worker_sockets
 from policies.config import ConfigError, GatewayConfig, load_config
 
 
 def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
     """What both front doors (`m3gate serve`, `m3gate epp`) start from: logging, the config (None, its error
     printed, when it is invalid) and the app, with the process's memory settings for a long-running gateway."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return None
+    config = _load_config(config_path)
+    return None if config is None else (config, _build_app(config, config_path))
+
+
+def _build_app(config: GatewayConfig, config_path: str) -> Starlette:
     _return_freed_memory()
     app = build_app(config, config_path)
     _quiet_garbage_collector()
-    return config, app
+    return app
 
 
-def serve(config_path: str, host: str | None = None, port: int | None = None) -> int:
-    loaded = load_app(config_path)
-    if loaded is None:
+def _load_config(config_path: str, worker: int | None = None) -> GatewayConfig | None:
+    where = "" if worker is None else f"worker {worker} "
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
+def serve(config_path: str, host: str | None = None, port: int | None = None, worker: int | None = None) -> int:
+    """One gateway process; with server.workers > 1 the supervisor of that many (gateway/supervisor.py), each of
+    them this again with `worker` set: the same start-up (memory settings, app, protocol) on a shared port."""
+    if worker is not None:
+        prepare_worker()
+    config = _load_config(config_path, worker)
+    if config is None:
         return 2
-    config, app = loaded
-    if config.admin.api_key is None:
-        logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
+    host = host or config.server.host
+    port = port if port is not None else config.server.port
     listener = os.environ.get("M3GATE_LISTENER") or config.server.listener
-    if listener == "granian":
-        serve_granian(app, host or config.server.host, port if port is not None else config.server.port,
-                      config.limits.body_read_timeout_s)
-        return 0
-    if listener != "uvicorn":
+    if listener not in ("uvicorn", "granian"):
         print(f"unknown listener {listener!r} (uvicorn or granian)", file=sys.stderr)
         return 2
-    uvicorn.run(
+    if worker is None and config.server.workers > 1:
+        if listener != "uvicorn":
+            print("server.workers > 1 runs uvicorn workers; M3GATE_LISTENER=granian is single-process",
+                  file=sys.stderr)
+            return 2
+        return supervise(config, config_path, host, port)
+    app = _build_app(config, config_path)
+    if config.admin.api_key is None and not worker:
+        logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
+    if listener == "granian":
+        serve_granian(app, host, port, config.limits.body_read_timeout_s)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(
         app,
-        host=host or config.server.host,
-        port=port if port is not None else config.server.port,
+        host=host,
+        port=port,
         loop="uvloop",
         http=type("GatewayHttpProtocol", (GatewayHttpProtocol,),
                   {"head_timeout_s": config.limits.body_read_timeout_s}),
         log_level="warning",
         access_log=False,
         timeout_keep_alive=30,
-    )
-    return 0
+    ))
+    sockets = None
+    if worker is not None:
+        try:
+            sockets = list(worker_sockets(host, port, worker, config.server.worker_port_base))
+        except OSError as exc:
+            print(f"worker {worker}: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it drained on: the stop asked for (as uvicorn.run)
+        pass
+    return 0 if server.started else 3  # 3: the app's startup failed (uvicorn.run's exit status)
 
 
 def serve_granian(app: object, host: str, port: int, head_timeout_s: float) -> None:

@@ -399,6 +399,25 @@ class ServerConfig(_Strict):
                     "hyper; experimental, see docs/performance.md). Read at start; the M3GATE_LISTENER environment "
                     "variable overrides it.",
     )
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="Gateway processes serving host:port together (SO_REUSEPORT), under a supervisor that forwards "
+                    "signals and restarts a worker that dies; more than 1 needs `state: redis://...` (the workers "
+                    "share routing state through it) and the uvicorn listener. Read at start; docs/deployment.md, "
+                    "\"Process model\".",
+    )
+    worker_port_base: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="With workers > 1: worker i (0-based) also listens on this port + i, for scraping each "
+                    "worker's /metrics and asking each its /admin (the shared port answers for whichever worker got "
+                    "the connection). Unset: the shared port only. Read at start.",
+    )
+
+    @model_validator(mode="after")
+    def _worker_ports_fit(self) -> ServerConfig:
+        if self.worker_port_base is not None and self.worker_port_base + self.workers - 1 > 65535:
+            raise ValueError(f"worker_port_base {self.worker_port_base} + {self.workers} workers passes port 65535")
+        return self
 
 
 class AdminConfig(_Strict):
@@ -938,6 +957,17 @@ class GatewayConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _workers_share_state(self) -> GatewayConfig:
+        """Several workers route as one only through Redis: with memory state each would keep its own prefix index,
+        session pins and in-flight counts, and a session's turns would scatter over the replicas."""
+        if self.server.workers > 1 and self.state in (None, "", "memory"):
+            raise ValueError(f"server.workers: {self.server.workers} needs `state: redis://...` (the workers share "
+                             "routing state through it); docs/deployment.md, \"Process model\"")
+        if self.server.workers > 1 and self.server.listener != "uvicorn":
+            raise ValueError("server.workers > 1 runs uvicorn workers; set server.listener: uvicorn")
+        return self
+
+    @model_validator(mode="after")
     def _traffic_consistent(self) -> GatewayConfig:
         """Classes, pools and keys that name each other must exist; the admin key is never also a client key."""
         pools = {p.name for p in self.pools}
@@ -1012,11 +1042,13 @@ ENV_OVERRIDES = {
     "M3GATE_PORT": ("server", "port"),
     "M3GATE_STATE": ("state",),
     "M3GATE_ADMIN_KEY": ("admin", "api_key"),
+    "M3GATE_BATCH_FILES_DIR": ("batch", "files_dir"),  # set by the workers' supervisor: one folder they all use
 }
 
 
 def _apply_env(data: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Environment variables override the listen address, the state URL and the pools' secrets."""
+    """Environment variables override the listen address, the state URL, the batch files folder and the pools'
+    secrets."""
     for var, path in ENV_OVERRIDES.items():
         if var in env:
             target = data

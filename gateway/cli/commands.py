@@ -139,7 +139,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    return serve(args.config, host=args.host, port=args.port)
+    return serve(args.config, host=args.host, port=args.port, worker=args.worker)
 
 
 def _cmd_epp(args: argparse.Namespace) -> int:
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="pool config YAML")
     p.add_argument("--host", default=None, help="listen address (default: config server.host, env M3GATE_HOST)")
     p.add_argument("--port", type=int, default=None, help="listen port (default: config server.port, env M3GATE_PORT)")
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # run as worker I of a supervisor
     p.set_defaults(func=_cmd_serve)
 
     _add_epp(sub)

@@ -27,6 +27,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def consecutive_free_ports(count: int) -> int:
+    """A port p with p + 1 ... p + count - 1 free too (`server.worker_port_base`: each worker's own port)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count - 1 > 65535:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                held.append(socket.socket())
+                held[-1].bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def child_pids(pid: int) -> set[int]:
+    """The processes `pid` started (a supervisor's workers); empty when it has none or is gone."""
+    try:
+        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except OSError:
+        return set()
+
+
 @dataclass
 class GatewayProcess:
     url: str

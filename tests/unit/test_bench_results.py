@@ -274,3 +274,19 @@ def test_scale_and_opcodes_put_m3gate_beside_the_reference(tmp_path: Path) -> No
                    tmp_path / "opcodes")
     assert ops["stream: main"]["value"] == 900.0 and ops["stream: main"]["reference"] is None
     assert (ops["stream: other"]["value"], ops["stream: other"]["reference_value"]) == (1000.0, 900.0)
+
+
+def test_workers_bench_judges_the_ratio_and_the_hit_rate(tmp_path: Path) -> None:
+    from loadtests.bench import workers
+
+    def row(rps: float, cpu: float) -> dict[str, float]:
+        return {"rps": rps, "gw_cpu_ms": cpu, "load_cpu_ms": 0.15, "fleet_cpu_ms": 0.03}
+
+    tp = {workers.ONE: row(2000.0, 0.40), workers.SHARED: row(1900.0, 0.45), workers.TWO: row(3000.0, 0.50)}
+    args = argparse.Namespace(quick=True, out=tmp_path)
+    figures = _figures(workers.results_of(tp, {1: 0.80, 2: 0.78}, args), tmp_path)
+    ratio = figures["req/s, 2 workers ÷ 1 process (load generator on the same cores)"]
+    assert (ratio["value"], ratio["passed"]) == (pytest.approx(1.5), False)
+    assert figures["2 cores' ceiling ÷ 1 core's, from the gateway's CPU per request"]["value"] == pytest.approx(1.6)
+    assert figures["prefix-cache hit rate, 2 workers alternating"]["passed"] is True
+    assert "| 2 workers | 3,000 | 1.50 | 0.500 |" in workers.report(tp, {1: 0.80, 2: 0.78}, 32)
