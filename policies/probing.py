@@ -4,8 +4,8 @@ Routing needs fresh load only from replicas that carry some: a replica with requ
 its last visit, or whose scrape shows running or waiting requests (another gateway's) is visited every base
 interval. An idle one backs off (×`BACKOFF_FACTOR` per quiet visit, up to `MAX_BACKOFF` × the interval) and snaps
 back to the base interval as soon as a request is dispatched to it. Backed-off visits fall on a grid shifted by the
-replica's own `phase`, so a large idle fleet is probed evenly over the period, not in one burst (a gap is at most
-the longest period plus one interval: 34 s at the default 2 s).
+replica's own `phase` (whole intervals), so a large idle fleet is probed a slice at a time over the period, not in
+one burst (a gap is at most the longest period plus one interval: 34 s at the default 2 s).
 
 /health is what shows a dead engine (vLLM answers it 503 while /metrics may still answer), so it is probed at least
 once per backed-off period; between those a replica's answers stand in for it: a scrape answered 200, or a proxied
