@@ -7,9 +7,9 @@ back to the base interval as soon as a request is dispatched to it. Backed-off v
 replica's own `phase` (whole intervals), so a large idle fleet is probed a slice at a time over the period, not in
 one burst (a gap is at most the longest period plus one interval: 34 s at the default 2 s).
 
-/health is what shows a dead engine (vLLM answers it 503 while /metrics may still answer), so it is probed at least
-once per backed-off period; between those a replica's answers stand in for it: a scrape answered 200, or a proxied
-2xx response (`answered`). A replica that is unhealthy or shutting down, or whose request or scrape just failed, is
+/health is what shows a dead engine (vLLM answers it 503 while /metrics may still answer), so it is probed at every
+backed-off visit, and at least once per longest period for a replica visited every interval; between those a busy
+replica's answers stand in for it: a scrape answered 200, or a proxied 2xx response (`answered`). A replica that is unhealthy or shutting down, or whose request or scrape just failed, is
 probed at the base interval (a failure: at once, at most once per interval), so its recovery or death shows quickly.
 
 Pure: no I/O; every time is passed in (monotonic seconds).
@@ -66,9 +66,10 @@ class ProbingPolicy:
         return ProbeState(phase=phase % 1.0, period_s=self.interval_s, next_at=now)
 
     def wants_health(self, state: ProbeState, now: float, healthy: bool, shutting_down: bool) -> bool:
-        """Whether this visit probes /health: always for a replica not known to serve, else once per longest
+        """Whether this visit probes /health: always for a replica not known to serve and at every backed-off visit
+        (an idle replica has no answers to stand in for it); for one visited every interval, once per longest
         period since its last proof of serving."""
-        return (state.health_wanted or not healthy or shutting_down
+        return (state.health_wanted or not healthy or shutting_down or state.period_s > self.interval_s
                 or now - state.health_at >= HEALTH_EVERY * self.max_period_s)
 
     def health_answered(self, state: ProbeState, now: float, ok: bool) -> None:

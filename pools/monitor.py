@@ -1,8 +1,9 @@
 """Active health checks and /metrics scraping for every replica, each on its own schedule (policies/probing.py).
 
 A replica with load is scraped every `server.health_interval_s`; an idle one backs off to 16× that and snaps back
-when a request is dispatched to it. Its /health is probed at least once per backed-off period, and at once when a
-real request to it fails; between those a scrape answered 200 or a proxied 2xx stands in for it. One task sleeps
+when a request is dispatched to it. Its /health is probed at every backed-off visit, at least once per longest
+period while it is busy (between those a scrape answered 200 or a proxied 2xx stands in for it), and at once when a
+real request to it fails. One task sleeps
 until the next replica is due; each visit runs as its own short task, so one slow replica delays no other.
 
 A replica is healthy when `/health` answers 200; a 503 there (vLLM's engine dead or going) also drains it. A probe
