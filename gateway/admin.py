@@ -45,6 +45,7 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
     for name, pool in gw.pools.items():
         replicas = {}
         for snap, replica in zip(pool.snapshots(now, role=None), pool.replicas.values(), strict=True):
+            probe = gw.monitor.state_of(replica) if gw.monitor is not None else None
             replicas[replica.url] = {
                 "role": replica.role,
                 "available": replica.is_available(now),
@@ -69,6 +70,7 @@ def replica_view(gw: Gateway) -> dict[str, Any]:
                 "tpot_s": replica.tpot_s,
                 "prefill_step_ends_in_s": round(max(0.0, snap.step_ends_in), 4),  # its virtual step clock
                 "queued_prefill_tokens": snap.prefill_tokens,
+                "probe_every_s": probe.period_s if probe is not None else None,  # backed off while idle
             }
         model = gw.latency.get(name)
         pools[name] = {"max_model_len": pool.config.max_model_len, "modalities": pool.config.modalities,

@@ -419,25 +419,30 @@ class DisconnectWatch:
 
 class DisconnectWatches:
     """Starts each request's DisconnectWatch once it has waited `delay` seconds, from one ticker: a deque append per
-    request instead of a timer (a libuv timer per request cost more than the watching it saves)."""
+    request instead of a timer (a libuv timer per request cost more than the watching it saves). The ticker runs
+    only while a watch waits: an idle gateway has no timer here."""
 
     def __init__(self, delay: float = 0.1) -> None:
         self.delay = delay
         self._due: deque[tuple[float, DisconnectWatch]] = deque()
-        self._ticker = Periodic("m3gate-disconnect-watch", self._start_due, lambda: self.delay / 2)
+        self._started = False
+        self._ticker = Periodic("m3gate-disconnect-watch", self._start_due, lambda: self.delay / 2,
+                                while_=lambda: bool(self._due))
 
     def watch(self, receive: Receive) -> DisconnectWatch:
         watch = DisconnectWatch(receive)
-        if not self._ticker.running:  # not started (an app used without its lifespan): watch at once
+        if not self._started:  # not started (an app used without its lifespan): watch at once
             watch.start()
         else:
             self._due.append((time.monotonic() + self.delay, watch))
+            self._ticker.start()  # a no-op while it runs
         return watch
 
     def start(self) -> None:
-        self._ticker.start()
+        self._started = True
 
     async def stop(self) -> None:
+        self._started = False
         await self._ticker.stop()
         while self._due:
             self._due.popleft()[1].start()

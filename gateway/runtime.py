@@ -102,6 +102,8 @@ class Gateway:
         """Bound each replica's prefix index by its KV capacity; forget replicas that left the config."""
         self.prefix_index.sync({r.url: r.kv_blocks for r in self.all_replicas()})
         self.precise.sync(self.pools)
+        if self.monitor is not None:
+            self.monitor.replicas_changed()  # a reload or discovery may have added or removed replicas
 
     def apply_config(self, config: GatewayConfig) -> list[str]:
         """Swap in a validated config. Kept endpoints keep their state; requests in flight on removed ones finish.

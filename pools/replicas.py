@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from policies.snapshot import ReplicaSnapshot
@@ -104,7 +104,12 @@ class Replica:
     prefill_s_per_token: float = 60e-6
     tpot_s: float = 0.02
     requests_total: int = field(default=0)
+    answers: int = 0  # 2xx answers to proxied requests: each shows its engine serves (the monitor skips a /health)
     role: str = "both"  # "prefill" | "decode" in a disaggregated pool (`PoolRuntime.snapshots` serves the others)
+    # probing (pools/monitor.py): told of a dispatch while the replica's probes are backed off, and of every failure
+    # or drain, so its next probe comes sooner; `probe_wake(replica, failed)`
+    probe_wake: Callable[[Replica, bool], None] | None = field(default=None, repr=False, compare=False)
+    probe_backed_off: bool = field(default=False, repr=False, compare=False)
 
     def is_available(self, now: float) -> bool:
         return self.healthy and not self.draining and self.shutting_down is None and now >= self.ejected_until
@@ -153,7 +158,15 @@ class Replica:
         self.in_flight_tokens += tokens
         self.prefill_tokens += prefill_tokens
         self.requests_total += 1
+        if self.probe_backed_off:  # idle until now: its load is to be scraped at the base interval again
+            self._probe_event(failed=False)
         return LoadGuard(self, tokens, prefill_tokens)
+
+    def _probe_event(self, failed: bool) -> None:
+        self.probe_backed_off = False
+        wake = self.probe_wake
+        if wake is not None:
+            wake(self, failed)
 
     # passive health -------------------------------------------------------------------------------------------
     def record_failure(self, now: float, answered: bool = False) -> None:
@@ -161,15 +174,19 @@ class Replica:
         costing retries. A 5xx the replica `answered` ejects only once EJECT_AFTER_5XX come in a row: the replica is
         up, and one request that makes it fail (a client's malformed input) must not take it out of rotation."""
         self.consecutive_failures += 1
+        self._probe_event(failed=True)  # /health says soon whether it is down
         if answered and self.consecutive_failures < EJECT_AFTER_5XX:
             return
         backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (self.consecutive_failures - 1))
         self.ejected_until = now + backoff
         self.ejections += 1
 
-    def record_success(self) -> None:
+    def record_success(self, status: int = 200) -> None:
+        """It answered a request without failing (`status` < 500); a 2xx also shows its engine serves."""
         self.consecutive_failures = 0
         self.ejected_until = 0.0
+        if 200 <= status < 300:
+            self.answers += 1
 
     def start_draining(self, why: str) -> None:
         """The replica is shutting down (`why`): no new requests. Not a failure: it ejects nothing, and the request
@@ -177,6 +194,7 @@ class Replica:
         if self.shutting_down is None:
             self.shutting_down = why
             self.drains += 1
+            self._probe_event(failed=True)  # probed at the base interval: its return shows soon
             log.warning("replica %s (pool %s) is shutting down (%s): draining", self.url, self.pool, why)
 
     def stop_draining(self) -> None:

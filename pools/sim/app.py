@@ -712,7 +712,8 @@ class SimApp:
 
     async def metrics_route(self, request: Request) -> Response:
         e = self.engine
-        return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage, deferred=len(e.loading)),
+        return Response(self.metrics.render(len(e.running), len(e.waiting), e.kv.usage, deferred=len(e.loading),
+                                            names=request.query_params.getlist("name[]")),
                         media_type=CONTENT_TYPE)
 
     # ---- shutdown (SIGTERM) -----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ follow from what the replica actually served.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -197,14 +199,16 @@ class SimMetrics:
         # NixlConnector's metrics (`nixl/stats.py`) exist only with a KV connector, as in vLLM.
         self.nixl = NixlMetrics(r, lv) if kv_connector else None
 
-    def render(self, running: int, waiting: int, kv_usage: float, deferred: int = 0) -> bytes:
-        """`deferred`: requests waiting on something other than capacity (here: a KV transfer in flight)."""
+    def render(self, running: int, waiting: int, kv_usage: float, deferred: int = 0,
+               names: Sequence[str] = ()) -> bytes:
+        """`deferred`: requests waiting on something other than capacity (here: a KV transfer in flight). `names`:
+        only these samples (vLLM's /metrics?name[]=..., prometheus_client's filter on sample names), else all."""
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting + deferred)
         self.num_requests_waiting_by_reason["capacity"].set(waiting)
         self.num_requests_waiting_by_reason["deferred"].set(deferred)
         self.kv_cache_usage.set(kv_usage)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)
 
 
 class NixlMetrics:

@@ -173,8 +173,11 @@ def test_killed_replica_costs_no_request() -> None:
 
 def test_unhealthy_replica_is_avoided(gateway: GatewayProcess, replicas: list[SimProcess]) -> None:
     sick, good = replicas
-    sick.set_faults(unhealthy=True)
-    time.sleep(0.8)  # two health intervals
+    sick.set_faults(unhealthy=True)  # /health 503, requests still answered: only its next probe shows it
+    deadline = time.monotonic() + 16 * 0.3 + 2.0  # an idle replica's probes back off to 16 health intervals
+    while httpx.get(gateway.url + "/admin/pools").json()["pools"]["interactive"]["replicas"][sick.url]["healthy"]:
+        assert time.monotonic() < deadline, "the unhealthy replica was not found"
+        time.sleep(0.1)
     client = openai.OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
     served = {client.chat.completions.with_raw_response.create(**CHAT, max_tokens=2).headers["x-m3gate-endpoint"]
               for _ in range(6)}
