@@ -15,12 +15,13 @@ end-to-end p99, mean session time, output tokens per second while every slot was
 shortest quarter of sessions' (least planned work) mean time, key ÷ session. Goals at 250 sessions: p99 TTFT ≥ 2.8×,
 short sessions ≥ 6.7× (the published figures), throughput ≥ 0.95 × key's.
 
-**background**: on the same replicas, foreground bursts (short chats) first on the idle pool, then while a
-background class (`background: true`) saturates it with long greedy streams (temperature 0, ignore_eos). Goals:
-foreground TTFT p95 ≤ 1.5 × the idle pool's; background output ≥ 80% of the capacity the foreground leaves (the
-background's rate alone on the pool, less the foreground's rate during the bursts); every background answer whole
-and equal to its uninterrupted greedy answer (each prompt run alone first, as
-tests/integration/test_background_lane_gateway.py does).
+**background** (loadtests/lib/background_lane.py): on 2 fresh replicas at real-time costs, foreground bursts (short
+chats) first on the idle pool, then while a background class (`background: true`) saturates it with long greedy
+streams (temperature 0, ignore_eos). Goals: foreground TTFT p95 ≤ 1.5 × the idle pool's; background output ≥ 80% of
+the capacity the foreground leaves (the pool's rate with every sequence slot decoding, less the foreground's rate
+during the bursts); every background answer whole and equal to its uninterrupted greedy answer (each prompt run
+first straight to the replicas, where nothing can pause it, as tests/integration/test_background_lane_gateway.py
+compares).
 
 Scaled for a 2-core machine: a simulated prompt token stands for 20 real ones (its prefill costs 20 × 60 µs) and
 every delay is divided by `--speed` (default 6): times are reported as measured. `--quick`: levels 25 and 100,
@@ -178,8 +179,8 @@ def markdown(rows: Sequence[dict[str, Any]], bg: BackgroundRun | None, speed: fl
                 lines.append(f"| {r['level']} | {mode} | {_s(m['ttft_p50_s'])} | {_s(m['ttft_p99_s'])} | "
                              f"{_s(m['e2e_p99_s'])} | {_s(m['session_mean_s'])} | {_s(m['short_session_mean_s'])} | "
                              f"{_s(m['heavy_session_mean_s'])} | {m['output_tok_s']:.0f} | {m['failed_sessions']} |")
-        lines += ["", "| sessions | p99 TTFT key ÷ session | shortest quarter key ÷ session | throughput session ÷ key |",
-                  "|---|---|---|---|"]
+        lines += ["", "| sessions | p99 TTFT key ÷ session | shortest quarter key ÷ session | "
+                  "throughput session ÷ key |", "|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['level']} | {_x(r['p99_ttft_ratio'])} | {_x(r['short_speedup'])} | "
                          f"{_x(r['throughput_ratio'])} |")
@@ -200,24 +201,18 @@ def results_of(rows: Sequence[dict[str, Any]], bg: BackgroundRun | None, args: a
         level = r["level"]
         for mode in MODES:
             m = r["modes"][mode]
-            for name, key, unit, scale in (("TTFT p50", "ttft_p50_s", "s", 1), ("TTFT p99", "ttft_p99_s", "s", 1),
-                                           ("e2e p99", "e2e_p99_s", "s", 1),
-                                           ("mean session time", "session_mean_s", "s", 1),
-                                           ("output tokens/s", "output_tok_s", "tok/s", 1)):
+            for name, key, unit in (("TTFT p50", "ttft_p50_s", "s"), ("TTFT p99", "ttft_p99_s", "s"),
+                                    ("e2e p99", "e2e_p99_s", "s"), ("mean session time", "session_mean_s", "s"),
+                                    ("shortest quarter's mean time", "short_session_mean_s", "s"),
+                                    ("output tokens/s while every slot was busy", "output_tok_s", "tok/s")):
                 out.add(f"{level} sessions, fairness {mode}: {name}", m[key], unit)
-        goal = level == GOAL_LEVEL
-        ref_kw = {"reference": "fairness key"}
-        if goal:
-            out.add(f"{level} sessions: p99 TTFT key ÷ session", r["p99_ttft_ratio"], "×", at_least=GOAL_P99_TTFT,
-                    **ref_kw)
-            out.add(f"{level} sessions: shortest quarter's speed-up", r["short_speedup"], "×",
-                    at_least=GOAL_SHORT_SPEEDUP, **ref_kw)
-            out.add(f"{level} sessions: throughput session ÷ key", r["throughput_ratio"], "×",
-                    at_least=GOAL_THROUGHPUT, **ref_kw)
-        else:
-            out.add(f"{level} sessions: p99 TTFT key ÷ session", r["p99_ttft_ratio"], "×", **ref_kw)
-            out.add(f"{level} sessions: shortest quarter's speed-up", r["short_speedup"], "×", **ref_kw)
-            out.add(f"{level} sessions: throughput session ÷ key", r["throughput_ratio"], "×", **ref_kw)
+        goal = level == GOAL_LEVEL  # the published figures are at 250 sessions; other levels are informational
+        out.add(f"{level} sessions: p99 TTFT key ÷ session", r["p99_ttft_ratio"], "×", reference="fairness key",
+                at_least=GOAL_P99_TTFT if goal else None)
+        out.add(f"{level} sessions: shortest quarter's speed-up", r["short_speedup"], "×", reference="fairness key",
+                at_least=GOAL_SHORT_SPEEDUP if goal else None)
+        out.add(f"{level} sessions: throughput session ÷ key", r["throughput_ratio"], "×", reference="fairness key",
+                at_least=GOAL_THROUGHPUT if goal else None)
     if bg is not None:
         bg.figures(out)
     return out
