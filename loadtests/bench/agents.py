@@ -102,6 +102,11 @@ def summarise_run(pop: Population, short: set[int]) -> dict[str, Any]:
         "requests": len(results), "errors": errors,
         "ttft_p50_s": _pct([r.ttft for r in ok], 50), "ttft_p99_s": _pct([r.ttft for r in ok], 99),
         "e2e_p99_s": _pct([r.e2el for r in ok if r.e2el is not None], 99),
+        # where the tail is: the heavy sessions' requests (several in flight) apart from the others'
+        "ttft_p99_heavy_s": _pct([r.ttft for run in pop.runs if run.plan.heavy for r in run.results
+                                  if r.ok and r.ttft is not None], 99),
+        "ttft_p99_light_s": _pct([r.ttft for run in pop.runs if not run.plan.heavy for r in run.results
+                                  if r.ok and r.ttft is not None], 99),
         "session_mean_s": _mean(times), "short_session_mean_s": _mean(short_times),
         "heavy_session_mean_s": _mean([run.seconds for run in pop.runs
                                        if run.plan.heavy and not run.failed and run.seconds is not None]),
@@ -133,6 +138,7 @@ def run_level(pool: SimPool, level: int, plans: list[SessionPlan], order: Sequen
                                                                           round(os.getloadavg()[0], 1)]}
         m = row["modes"][mode]
         print(f"  {level} sessions, fairness {mode}: TTFT p50 {_s(m['ttft_p50_s'])} p99 {_s(m['ttft_p99_s'])}, "
+              f"(heavy sessions' {_s(m['ttft_p99_heavy_s'])}, others' {_s(m['ttft_p99_light_s'])}), "
               f"e2e p99 {_s(m['e2e_p99_s'])}, session mean {_s(m['session_mean_s'])} (shortest quarter "
               f"{_s(m['short_session_mean_s'])}), {m['output_tok_s']:.0f} tok/s, {m['failed_sessions']} failed "
               f"sessions, {m['elapsed_s']:.0f} s", flush=True)
