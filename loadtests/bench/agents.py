@@ -116,7 +116,8 @@ def summarise_run(pop: Population, short: set[int]) -> dict[str, Any]:
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
-    return statistics.fmean(v for v in values if v is not None) if values else None
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def shortest_quarter(plans: Sequence[SessionPlan]) -> set[int]:
