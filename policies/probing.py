@@ -7,10 +7,11 @@ back to the base interval as soon as a request is dispatched to it. Backed-off v
 replica's own `phase` (whole intervals), so a large idle fleet is probed a slice at a time over the period, not in
 one burst (a gap is at most the longest period plus one interval: 34 s at the default 2 s).
 
-/health is what shows a dead engine (vLLM answers it 503 while /metrics may still answer), so it is probed at every
-backed-off visit, and at least once per longest period for a replica visited every interval; between those a busy
-replica's answers stand in for it: a scrape answered 200, or a proxied 2xx response (`answered`). A replica that is unhealthy or shutting down, or whose request or scrape just failed, is
-probed at the base interval (a failure: at once, at most once per interval), so its recovery or death shows quickly.
+/health is what shows a dead engine or a replica told to drain (vLLM answers it 503 while /metrics and even requests
+may still answer), so every visit probes it before the scrape: a replica with load shows a 503 within an interval,
+an idle one at its next backed-off visit. A replica that is unhealthy or shutting down, or whose request or scrape
+just failed, is visited at the base interval (a failure: at once, at most once per interval), so its recovery or
+death shows quickly.
 
 Pure: no I/O; every time is passed in (monotonic seconds).
 """
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 
 BACKOFF_FACTOR = 2.0
 MAX_BACKOFF = 16.0  # × the base interval: 32 s at the default 2 s
-HEALTH_EVERY = 0.75  # /health once its last answer is older than this share of the longest period (visits jitter)
 
 
 @dataclass(slots=True)
@@ -33,27 +33,24 @@ class ProbeState:
     period_s: float  # the current gap between visits
     next_at: float  # its next visit
     visited_at: float = -math.inf  # its last visit
-    health_at: float = -math.inf  # the last /health 200 or proxied 2xx: the last proof its engine serves
-    health_wanted: bool = True  # probe /health at the next visit whatever its age (new, failed, timed out)
+    health_wanted: bool = True  # its /health failed or timed out, or a request or scrape failed: at the interval
     dispatches: int = 0  # the replica's dispatch count at the last visit: a change means it was dispatched to
-    answers: int = 0  # its count of 2xx answers at the last visit
 
 
 @dataclass(frozen=True, slots=True)
 class Visit:
-    """What the monitor saw at a visit; `dispatches` and `answers` are the replica's running counts."""
+    """What the monitor saw at a visit; `dispatches` is the replica's running count."""
 
     healthy: bool
     shutting_down: bool
     in_flight: int
     dispatches: int
-    answers: int
     engine_load: float  # scraped running + waiting requests (0 when unknown)
     scraped: bool  # /metrics answered 200
 
 
 class ProbingPolicy:
-    """Decides each replica's next visit and whether it includes /health."""
+    """Decides each replica's next visit."""
 
     def __init__(self, interval_s: float, backoff_factor: float = BACKOFF_FACTOR,
                  max_backoff: float = MAX_BACKOFF) -> None:
@@ -65,18 +62,9 @@ class ProbingPolicy:
         """A replica the monitor has just learnt of: visited at once, /health included."""
         return ProbeState(phase=phase % 1.0, period_s=self.interval_s, next_at=now)
 
-    def wants_health(self, state: ProbeState, now: float, healthy: bool, shutting_down: bool) -> bool:
-        """Whether this visit probes /health: always for a replica not known to serve and at every backed-off visit
-        (an idle replica has no answers to stand in for it); for one visited every interval, once per longest
-        period since its last proof of serving."""
-        return (state.health_wanted or not healthy or shutting_down or state.period_s > self.interval_s
-                or now - state.health_at >= HEALTH_EVERY * self.max_period_s)
-
-    def health_answered(self, state: ProbeState, now: float, ok: bool) -> None:
+    def health_answered(self, state: ProbeState, ok: bool) -> None:
         """/health answered (`ok`: 200); a timed-out probe is `health_failed`."""
         state.health_wanted = not ok
-        if ok:
-            state.health_at = now
 
     def health_failed(self, state: ProbeState) -> None:
         """A probe timed out or a scrape failed: /health at the next visit, at the base interval."""
@@ -85,9 +73,7 @@ class ProbingPolicy:
     def visited(self, state: ProbeState, now: float, seen: Visit) -> None:
         """Schedule the next visit from what this one saw."""
         dispatched = seen.dispatches != state.dispatches
-        if seen.answers != state.answers:  # a proxied 2xx since the last visit: its engine serves
-            state.health_at = now
-        state.dispatches, state.answers, state.visited_at = seen.dispatches, seen.answers, now
+        state.dispatches, state.visited_at = seen.dispatches, now
         if not seen.scraped and seen.healthy and not seen.shutting_down:
             state.health_wanted = True  # /metrics failed: /health decides, at the next visit
         busy = seen.in_flight > 0 or dispatched or seen.engine_load > 0

@@ -1,9 +1,8 @@
 """Active health checks and /metrics scraping for every replica, each on its own schedule (policies/probing.py).
 
 A replica with load is scraped every `server.health_interval_s`; an idle one backs off to 16× that and snaps back
-when a request is dispatched to it. Its /health is probed at every backed-off visit, at least once per longest
-period while it is busy (between those a scrape answered 200 or a proxied 2xx stands in for it), and at once when a
-real request to it fails. One task sleeps
+when a request is dispatched to it. Every visit probes /health, then scrapes; a real request that fails brings the
+visit forward (at most once per interval). One task sleeps
 until the next replica is due; each visit runs as its own short task, so one slow replica delays no other.
 
 A replica is healthy when `/health` answers 200; a 503 there (vLLM's engine dead or going) also drains it. A probe
@@ -176,7 +175,7 @@ class ReplicaMonitor:
         self._sync(self._clock())
         tracked = [t for t in self._tracked.values() if not t.visiting]
         if tracked:
-            await asyncio.gather(*(self._visit(t, force_health=True) for t in tracked), return_exceptions=True)
+            await asyncio.gather(*(self._visit(t) for t in tracked), return_exceptions=True)
 
     # scheduling ----------------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -257,26 +256,20 @@ class ReplicaMonitor:
             self._push(key, state.next_at)
 
     # one visit -----------------------------------------------------------------------------------------------
-    async def _visit(self, tracked: _Tracked, force_health: bool = False) -> None:
+    async def _visit(self, tracked: _Tracked) -> None:
         replica, state, policy = tracked.replica, tracked.state, self._policy
         tracked.visiting = True
         scraped = False
         try:
             headers = self._headers_for(replica)
-            if force_health or policy.wants_health(state, self._clock(), replica.healthy,
-                                                   replica.shutting_down is not None):
-                if await self._probe_health(tracked, headers):
-                    scraped = await self._scrape(replica, headers)
-            else:
+            if await self._probe_health(tracked, headers):
                 scraped = await self._scrape(replica, headers)
-                if not scraped:
-                    await self._probe_health(tracked, headers)  # /health says why, at once
         finally:
             tracked.visiting = False
             load = replica.scraped
             policy.visited(state, self._clock(), Visit(
                 healthy=replica.healthy, shutting_down=replica.shutting_down is not None,
-                in_flight=replica.in_flight, dispatches=replica.requests_total, answers=replica.answers,
+                in_flight=replica.in_flight, dispatches=replica.requests_total,
                 engine_load=(load.running + load.waiting) if load is not None else 0.0, scraped=scraped))
             replica.probe_backed_off = policy.backed_off(state)
             if self._tracked.get(id(replica)) is tracked:
@@ -293,7 +286,7 @@ class ReplicaMonitor:
         if healthy != replica.healthy:
             log.warning("replica %s (pool %s) is now %s", replica.url, replica.pool, "healthy" if healthy else "UNHEALTHY")
         replica.healthy = healthy
-        self._policy.health_answered(tracked.state, self._clock(), healthy)
+        self._policy.health_answered(tracked.state, healthy)
         if not healthy:
             return False
         return replica.shutting_down is None or await self._takes_requests(replica, headers)

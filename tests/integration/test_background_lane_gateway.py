@@ -135,10 +135,13 @@ PAUSED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+PAUSED_TOKENS = 240  # ~3 s a stream: still running when the foreground burst saturates, on a busy machine too
+
+
 def _greedy(gw: GatewayProcess, case: str, headers: dict[str, str]) -> dict[str, Any]:
     """One greedy background stream, put together from its raw events."""
     path, body = PAUSED_CASES[case]
-    wire = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 100, "ignore_eos": True,
+    wire = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": PAUSED_TOKENS, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **body}
     with httpx.stream("POST", gw.base_url + path, json=wire, headers=headers, timeout=60) as resp:
         assert resp.status_code == 200, resp.read()
@@ -192,7 +195,7 @@ def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: Gat
     assert _pauses(gateway) == before
     for answer in alone.values():
         assert answer["errors"] == 0 and answer["done"] == 1 and answer["finishes"] == ["length"]
-        assert answer["usage"][1] == 100
+        assert answer["usage"][1] == PAUSED_TOKENS
     assert alone["chat_reasoning"]["reasoning"] and alone["chat"]["content"] and alone["completions"]["text"]
     while _lane(gateway)["window"] < 3:  # room for the three at once
         warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
@@ -231,11 +234,11 @@ UNSTREAMED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _unstreamed(url: str, case: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+def _unstreamed(url: str, case: str, headers: dict[str, str] | None = None, tokens: int = 100) -> dict[str, Any]:
     """One greedy non-streamed answer, less what differs between two runs of one request (its id and time, a tool
     call's id, the usage details: the prompt tokens the replica had cached)."""
     path, body = UNSTREAMED_CASES[case]
-    wire = {"model": MODEL, "temperature": 0, "max_tokens": 100, "ignore_eos": case != "chat_tool", **body}
+    wire = {"model": MODEL, "temperature": 0, "max_tokens": tokens, "ignore_eos": case != "chat_tool", **body}
     resp = httpx.post(url + path, json=wire, headers=headers, timeout=60)
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"] == "application/json"
@@ -259,14 +262,15 @@ def test_a_non_streamed_background_request_answers_as_the_replica_would(gateway:
 def test_a_paused_non_streamed_background_request_equals_its_uninterrupted_answer(gateway: GatewayProcess) -> None:
     before = _pauses(gateway)
     cases = [c for c in UNSTREAMED_CASES if c != "chat_tool"]  # the tool call ends too soon to be paused
-    alone = {case: _unstreamed(gateway.base_url, case, BATCH) for case in cases}
+    alone = {case: _unstreamed(gateway.base_url, case, BATCH, PAUSED_TOKENS) for case in cases}
     assert _pauses(gateway) == before
     while _lane(gateway)["window"] < 3:
         warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
         for t in warm:
             t.join(30)
     out: dict[str, dict[str, Any]] = {}
-    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _unstreamed(gateway.base_url, c, BATCH)))
+    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _unstreamed(gateway.base_url, c, BATCH,
+                                                                                  PAUSED_TOKENS)))
                for case in cases]
     for t in threads:
         t.start()
