@@ -197,6 +197,13 @@ class IdFilter(SseFilter):
             event = self._strip_prompt(event)
         if not self.head:
             self.head = event
+        if b'"finish_reason":"' in event and b'"finish_reason":"abort"' not in event:
+            self.finished = True  # a finish chunk without ids (none is expected, but it is a finish all the same)
+        if b'"usage"' in event and not self.finished and b'"choices":[]' in event:
+            # the usage chunk before any finish: the replica ended an answer it had not finished, with no last
+            # delta to carry the abort (vLLM's shutdown aborting a request before its first token): a cut
+            self.failure = "abort"
+            return b""
         if b'"usage"' in event and self._take_usage(event) and self.strip_usage:
             return b""
         if event.startswith(b'data: {"error"') or b'"object":"error"' in event:

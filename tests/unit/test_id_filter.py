@@ -96,3 +96,19 @@ def test_a_completions_abort_chunk_with_text_is_relayed_and_an_empty_one_dropped
         out, filt = _run(events, False, [b"".join(events)])
         assert filt.failure == "abort" and (b'"text":"tail","logprobs":null,"finish_reason":null' in out) == shown
         assert list(filt.ids) == [100, 101, 102] + ([7] if text else []) and filt.prompt_tokens == 3
+
+
+def test_a_usage_chunk_before_any_finish_is_a_cut() -> None:
+    """vLLM's shutdown aborting a request before its first token sends no abort chunk (its output is empty), only
+    the usage chunk and [DONE]: the answer never finished, so the stream is cut (and resumed), not ended."""
+    for chat in (True, False):
+        events = _chat_events([]) if chat else _completion_events([])
+        usage = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+        events = [e for e in events if b'"finish_reason":"length"' not in e and b'"usage"' not in e]
+        events.insert(len(events) - 1, b"data: " + orjson.dumps(usage) + b"\n\n")
+        out, filt = _run(events, chat, [b"".join(events)])
+        assert filt.failure == "abort" and not filt.finished, chat
+        assert b'"usage"' not in out and b"[DONE]" not in out
+    finished, filt = _run(_chat_events([[1], [2]]), True, [b"".join(_chat_events([[1], [2]]))])
+    assert filt.failure is None and filt.finished and b"[DONE]" in finished  # the usage after a finish ends it
