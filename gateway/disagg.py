@@ -158,7 +158,7 @@ class Disaggregation:
                 else:
                     replica.record_failure(done, answered=True)
                 continue
-            replica.record_success(reply.status)
+            replica.record_success()
             if reply.status != 200:  # the request's own fault (too long, bad parameter): the client hears it
                 return await self._refused(record, pool, replica, reply)
             return self._prefilled(record, pool, replica, reply, sent, done)

@@ -205,7 +205,7 @@ class Upstream:
         record.status = reply.status
         if not reply.stream:
             if reply.status < 500:  # a stream is judged when it ends (`finished`): one broken after its first
-                replica.record_success(reply.status)  # byte counts against its replica like a failure before it
+                replica.record_success()  # byte counts against its replica like a failure before it
             return Answered(reply.status, response_headers(reply.headers, extra), reply.data,
                             "content-encoding" in reply.headers)
         # the client's 200 was held back until this first token's event: a replica that died during prefill was

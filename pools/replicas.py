@@ -104,7 +104,6 @@ class Replica:
     prefill_s_per_token: float = 60e-6
     tpot_s: float = 0.02
     requests_total: int = field(default=0)
-    answers: int = 0  # 2xx answers to proxied requests, since the gateway started
     role: str = "both"  # "prefill" | "decode" in a disaggregated pool (`PoolRuntime.snapshots` serves the others)
     # probing (pools/monitor.py): told of a dispatch while the replica's probes are backed off, and of every failure
     # or drain, so its next probe comes sooner; `probe_wake(replica, failed)`
@@ -181,12 +180,9 @@ class Replica:
         self.ejected_until = now + backoff
         self.ejections += 1
 
-    def record_success(self, status: int = 200) -> None:
-        """It answered a request without failing (`status` < 500; a 2xx counts in `answers`)."""
+    def record_success(self) -> None:
         self.consecutive_failures = 0
         self.ejected_until = 0.0
-        if 200 <= status < 300:
-            self.answers += 1
 
     def start_draining(self, why: str) -> None:
         """The replica is shutting down (`why`): no new requests. Not a failure: it ejects nothing, and the request

@@ -435,7 +435,7 @@ class Exchange:
             pool = gw.pools.get(record.pool)
             replica = pool.replicas.get(record.replica) if pool is not None else None
             if replica is not None and record.status < 500:
-                replica.record_success(record.status)
+                replica.record_success()
         await self.close()
 
     # the end ---------------------------------------------------------------------------------------------------

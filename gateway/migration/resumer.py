@@ -369,7 +369,8 @@ class Resumer:
                     if self.aborted:
                         break
                 if self.finish is not None:
-                    await self._read_fingerprint(content, buf)
+                    if self.include_usage:  # only the usage chunk written at the end carries it
+                        await self._read_fingerprint(content, buf)
                     out.append(self._ending())
                 body = b"".join(out)
                 if body:

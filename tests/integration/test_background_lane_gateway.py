@@ -189,25 +189,21 @@ def _pauses(gw: GatewayProcess) -> float:
     return 0.0
 
 
-def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: GatewayProcess) -> None:
-    before = _pauses(gateway)
-    alone = {case: _greedy(gateway, case, BATCH) for case in PAUSED_CASES}  # an idle pool: nothing pauses them
-    assert _pauses(gateway) == before
-    for answer in alone.values():
-        assert answer["errors"] == 0 and answer["done"] == 1 and answer["finishes"] == ["length"]
-        assert answer["usage"][1] == PAUSED_TOKENS
-    assert alone["chat_reasoning"]["reasoning"] and alone["chat"]["content"] and alone["completions"]["text"]
+def _background_beside_a_burst(gateway: GatewayProcess, runs: dict[str, Callable[[], dict[str, Any]]]) -> tuple[
+        dict[str, dict[str, Any]], list[str], list[str]]:
+    """Each of `runs` (at most three background requests) in flight at once, then a foreground burst that saturates
+    the replica (vLLM's queue) and six more requests that wait in the gateway's: the background ones are paused.
+    Returns their answers and the two foreground groups' texts."""
     while _lane(gateway)["window"] < 3:  # room for the three at once
         warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
         for t in warm:
             t.join(30)
     out: dict[str, dict[str, Any]] = {}
-    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _greedy(gateway, c, BATCH)))
-               for case in PAUSED_CASES]
+    threads = [threading.Thread(target=lambda c=case, run=run: out.__setitem__(c, run())) for case, run in runs.items()]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while _lane(gateway)["in_flight"] < 3 and time.monotonic() < deadline:
+    while _lane(gateway)["in_flight"] < len(runs) and time.monotonic() < deadline:
         time.sleep(0.01)
     client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
     burst, answers = _in_threads(8, lambda: _stream(client, 24))  # the replica saturates (vLLM's queue) ...
@@ -217,6 +213,19 @@ def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: Gat
     more, more_answers = _in_threads(6, lambda: _stream(client, 24))  # ... and these wait in the gateway's
     for t in burst + more + threads:
         t.join(60)
+    return out, answers, more_answers
+
+
+def test_a_paused_background_stream_equals_its_uninterrupted_answer(gateway: GatewayProcess) -> None:
+    before = _pauses(gateway)
+    alone = {case: _greedy(gateway, case, BATCH) for case in PAUSED_CASES}  # an idle pool: nothing pauses them
+    assert _pauses(gateway) == before
+    for answer in alone.values():
+        assert answer["errors"] == 0 and answer["done"] == 1 and answer["finishes"] == ["length"]
+        assert answer["usage"][1] == PAUSED_TOKENS
+    assert alone["chat_reasoning"]["reasoning"] and alone["chat"]["content"] and alone["completions"]["text"]
+    out, answers, more_answers = _background_beside_a_burst(gateway, {case: lambda c=case: _greedy(
+        gateway, c, BATCH) for case in PAUSED_CASES})
     assert len(answers) == 8 and all(answers) and len(more_answers) == 6 and all(more_answers)
     paused = _pauses(gateway)
     assert 1 <= paused - before <= 2 * len(PAUSED_CASES)  # paused, at most max_pauses times each
@@ -264,27 +273,8 @@ def test_a_paused_non_streamed_background_request_equals_its_uninterrupted_answe
     cases = [c for c in UNSTREAMED_CASES if c != "chat_tool"]  # the tool call ends too soon to be paused
     alone = {case: _unstreamed(gateway.base_url, case, BATCH, PAUSED_TOKENS) for case in cases}
     assert _pauses(gateway) == before
-    while _lane(gateway)["window"] < 3:
-        warm, _ = _in_threads(4, lambda: _stream(openai.OpenAI(base_url=gateway.base_url, api_key="none"), 4, BATCH))
-        for t in warm:
-            t.join(30)
-    out: dict[str, dict[str, Any]] = {}
-    threads = [threading.Thread(target=lambda c=case: out.__setitem__(c, _unstreamed(gateway.base_url, c, BATCH,
-                                                                                  PAUSED_TOKENS)))
-               for case in cases]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while _lane(gateway)["in_flight"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    client = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0, timeout=60)
-    burst, answers = _in_threads(8, lambda: _stream(client, 24))
-    deadline = time.monotonic() + 10
-    while not _pool(gateway).get("saturated") and time.monotonic() < deadline:
-        time.sleep(0.01)
-    more, more_answers = _in_threads(6, lambda: _stream(client, 24))
-    for t in burst + more + threads:
-        t.join(60)
+    out, answers, more_answers = _background_beside_a_burst(gateway, {case: lambda c=case: _unstreamed(
+        gateway.base_url, c, BATCH, PAUSED_TOKENS) for case in cases})
     assert len(answers) == 8 and all(answers) and len(more_answers) == 6 and all(more_answers)
     assert 1 <= _pauses(gateway) - before <= 2 * len(cases)
     for case in cases:  # the held partial answer went on exactly: one object, nothing repeated or lost
