@@ -66,6 +66,10 @@ class Pausable(Protocol):
 
     pauses: int
 
+    @property
+    def replica(self) -> str | None:
+        """The replica its current leg runs on."""
+
     def pause(self) -> bool: ...
 
 
@@ -93,7 +97,7 @@ class Ticket:
             if self.stream is not None:
                 owner.forget(self)
             if self.holds_slot:
-                owner.release(self.pool, self.cls)
+                owner.release(self.pool, self.cls, served)
             if self.session:
                 owner.ledger.ended(self.session, self.charge, served, output, owner.clock())
 
@@ -105,10 +109,12 @@ class AdmissionControl:
     """Per-pool slots, queues and spill for this gateway process."""
 
     def __init__(self, traffic: TrafficConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
-                 pressure: Callable[[str], bool] | None = None) -> None:
+                 pressure: Callable[[str], bool] | None = None, batches_full: Callable[[str], bool] | None = None
+                 ) -> None:
         self.clock = clock
         self.saturated = saturated
         self.pressure = pressure or saturated  # some replica of the pool is saturated: the background lane's signal
+        self.batches_full = batches_full or (lambda pool: False)  # no batch slot free: the lane waits, uncut
         self.gates: dict[str, PoolGate] = {}
         self._streams: dict[str, set[Ticket]] = {}  # per pool: its background streams that can be paused
         self._paused: dict[str, deque[tuple[Ticket, asyncio.Future[None]]]] = {}  # per pool: paused, oldest first
@@ -188,19 +194,20 @@ class AdmissionControl:
         refusal.queued_s = self.clock() - waiter.arrival
         raise refusal
 
-    def release(self, pool: str, cls: str) -> None:
+    def release(self, pool: str, cls: str, served: float = 0.0) -> None:
+        """A slot of `cls` in `pool` is free; `served`: the tokens its request was served (the pool's rate)."""
         gate = self.gates.get(pool)
         if gate is None:
             return
-        gate.free_slot(cls, self.clock())
+        gate.free_slot(cls, self.clock(), served)
         if len(gate.queue) or self._paused.get(pool):
             self._pump(pool)
 
     # the background lane (policies/background.py) ------------------------------------------------------------
     def headroom(self, pool: str, gate: PoolGate) -> bool:
         """Background work may go to `pool` now: no foreground class waits there, no replica is saturated, the
-        foreground's recent TTFT there is within target."""
-        return has_headroom(gate.queue.classes(), self.background, self.pressure(pool),
+        foreground's recent TTFT there is within target, and some replica has a batch slot free."""
+        return has_headroom(gate.queue.classes(), self.background, self.pressure(pool) or self.batches_full(pool),
                             gate.latency.within_target(self.clock()))
 
     def _limit(self, gate: PoolGate, pool: str, cls: str) -> int:
@@ -259,15 +266,35 @@ class AdmissionControl:
 
     def _watch_lane(self, pool: str, gate: PoolGate) -> None:
         """A saturated replica while background work runs in the pool cuts its windows (once per hold); a
-        foreground request waiting on the saturated pool pauses its background streams."""
+        foreground request waiting on the saturated pool pauses its background streams. Without pressure, cut
+        windows win back their size (`BackgroundWindow.recover`)."""
         running = [cls for cls in self.background if gate.in_flight.get(cls, 0)]
+        now = self.clock()
         if running and self.pressure(pool):
-            now = self.clock()
             for cls in running:
                 self._window(gate, cls).congested(now)
             if self._streams.get(pool) and self.saturated(pool) \
                     and not all(cls in self.background for cls in gate.queue.classes()):
                 self._pause_streams(pool)
+            return
+        for window in gate.windows.values():
+            window.recover(now)
+
+    def make_room(self, pool: str, url: str, in_flight: int, full_at: float) -> bool:
+        """A foreground request was just sent to replica `url`, whose batch vLLM was seen running full at `full_at`
+        requests: when this gateway's requests there now outnumber that, pause one background stream running there,
+        so the newcomer takes its batch slot instead of waiting in vLLM's queue behind background work (the
+        scraped saturation `_watch_lane` reads comes a probe interval later). True when one was paused."""
+        if full_at <= 0 or in_flight <= full_at:
+            return False
+        for ticket in self._streams.get(pool, ()):
+            cfg = self.traffic.classes.get(ticket.cls)
+            stream = ticket.stream
+            if ticket.holds_slot and cfg is not None and stream is not None and stream.replica == url \
+                    and stream.pauses < cfg.max_pauses and stream.pause():
+                self.counters["paused_for_arrival"] += 1
+                return True
+        return False
 
     def _pause_streams(self, pool: str) -> None:
         """Pause the pool's running background streams that have pauses left (`max_pauses` of their class)."""
@@ -477,14 +504,15 @@ class TrafficControl:
     """Keys, input limits, classes, rate limits and admission for one gateway process."""
 
     def __init__(self, config: GatewayConfig, clock: Callable[[], float], saturated: Callable[[str], bool],
-                 pressure: Callable[[str], bool] | None = None) -> None:
+                 pressure: Callable[[str], bool] | None = None, batches_full: Callable[[str], bool] | None = None
+                 ) -> None:
         self.config = config
         self.clock = clock
         self.keys = KeyStore(config.access.all_keys())
         access = config.access
         self.rate = RateLimiter(access.rate_limit_redis or config.state, prefix=access.rate_limit_prefix,
                                 timeout_s=access.redis_timeout_s, retry_s=access.redis_retry_s)
-        self.admission = AdmissionControl(config.traffic, clock, saturated, pressure)
+        self.admission = AdmissionControl(config.traffic, clock, saturated, pressure, batches_full)
         self._ttft: dict[str, deque[float]] = {}
         self._by_size = config.pools_by_size()  # sorted once per config, not per request
 
@@ -541,9 +569,10 @@ class TrafficControl:
             await self._rate_limit(client, profile, record)
         names = [p.name for p in choice.candidates]
         try:
-            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id,
-                                                      fairness_session(record, client.key_id, session),
-                                                      float(profile.prompt_tokens))
+            fair = fairness_session(record, client.key_id, session)
+            charge = self.admission.ledger.turn_charge(fair, float(profile.prompt_tokens), self.clock())
+            pool, ticket = await self.admission.admit(request.receive, names, cls, priority, client.key_id, fair,
+                                                      charge)
         except RetryLater as exc:
             record.queue_s = exc.queued_s
             raise

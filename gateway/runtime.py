@@ -62,7 +62,7 @@ class Gateway:
             config.state, self._apply_remote_dispatch, self._local_in_flight, model=config.model,
             sessions=self.sessions.store if self.sessions is not None and shares else None,
         )
-        self.traffic = TrafficControl(config, clock, self.pool_saturated, self.pool_pressure)
+        self.traffic = TrafficControl(config, clock, self.pool_saturated, self.pool_pressure, self.pool_batches_full)
         self.capacity = CapacitySignal(self)  # replicas each pool role needs (m3gate_pool_desired_replicas)
 
     # config ------------------------------------------------------------------------------------------------
@@ -193,6 +193,20 @@ class Gateway:
         if pool is None:
             return False
         return pool_pressure(pool.snapshots(self.clock(), self.shared), self.config.traffic.saturation)
+
+    def pool_batches_full(self, name: str) -> bool:
+        """Every available replica of the pool runs as many requests of this gateway as vLLM was seen running when
+        it left others waiting (`Replica.batch_full_at`): a background request sent now would wait in vLLM's queue,
+        ahead of the foreground requests that come after it. A replica never seen full leaves room (the lane finds
+        the limit by filling it)."""
+        pool = self.pools.get(name)
+        if pool is None:
+            return False
+        now = self.clock()
+        for replica in (pool.of_role("serving") if pool.disaggregated else pool.replicas.values()):
+            if replica.is_available(now) and (replica.batch_full_at <= 0 or replica.in_flight < replica.batch_full_at):
+                return False
+        return True
 
     def probe_headers(self, replica: Replica) -> dict[str, str]:
         pool = self.pools.get(replica.pool)

@@ -247,6 +247,9 @@ class Upstream:
             replica.plan_step(record.t_sent, decision.prefill_plan)
         gw.policies[pool.name].dispatched(dispatched_as or routing, url, record.t_sent)
         gw.shared.on_dispatch(pool.name, url, routing)
+        admission = gw.traffic.admission
+        if admission.background and record.traffic_class not in admission.background:
+            admission.make_room(pool.name, url, replica.in_flight, replica.batch_full_at)
         return guard
 
     async def resume(self, record: RequestRecord, target: Target, routing: RoutingRequest, path: str, payload: bytes,

@@ -5,7 +5,10 @@ pool's queue, no replica is saturated, the foreground classes' recent TTFT there
 `BackgroundWindow.limit()` of its requests are in flight. The window is AIMD, as TCP's congestion window: one more
 per request that ended well while the window was in use (additive increase), halved on a sign of congestion (a
 refusal, a saturated replica, a foreground request that missed its TTFT target: multiplicative decrease), at most
-once per `DECREASE_HOLD_S` so one burst of signals counts once. A floor (`BackgroundWindow.floor`, set for batch
+once per `DECREASE_HOLD_S` so one burst of signals counts once. Background requests are long, so the additive
+increase alone took many of them to regrow a window a foreground burst had cut; after a cut, each `RECOVER_S`
+without a new signal also wins back half of what is missing of the size before it (as BIC-TCP's binary search):
+a burst costs the lane a few seconds, not its next few minutes. A floor (`BackgroundWindow.floor`, set for batch
 jobs at risk of missing their deadline, policies/batch_deadline.py) keeps the window from being cut below it, but
 never lets the class in without headroom: a foreground class that queues, a saturated replica or a missed
 foreground target still stop the lane entirely. Pure: time is passed in.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 DECREASE_FACTOR = 0.5
 DECREASE_HOLD_S = 1.0  # signals closer together than this are one congestion event
+RECOVER_S = 1.0  # after a cut, each this long without a signal regains half the gap to the size before it
 LATENCY_WINDOW_S = 30.0  # foreground TTFTs this recent say whether there is headroom
 LATENCY_SAMPLES = 256
 LATENCY_QUANTILE = 0.95
@@ -35,6 +39,8 @@ class BackgroundWindow:
     increases: int = 0
     decreases: int = 0
     floor: int = 0  # urgent work's minimum (batch deadlines); the headroom gate still stops the lane entirely
+    before_cut: float = 0.0  # its size before the latest cut, until regained
+    recovered_at: float = -math.inf
 
     def limit(self) -> int:
         """Requests of the class that may be in flight in the pool now: at least one and at least the floor, at
@@ -53,10 +59,21 @@ class BackgroundWindow:
         DECREASE_HOLD_S. True when it was cut."""
         if now - self.decreased_at < DECREASE_HOLD_S:
             return False
-        self.decreased_at = now
+        self.decreased_at = self.recovered_at = now
+        self.before_cut = max(self.before_cut, self.size)  # a cut before the last one was regained keeps its aim
         self.size = max(1.0, self.size * DECREASE_FACTOR)
         self.decreases += 1
         return True
+
+    def recover(self, now: float) -> None:
+        """Called while the lane runs: each RECOVER_S since the latest cut (or recovery step) with no new signal,
+        half the gap to the size before the cut comes back."""
+        if self.before_cut <= self.size or now - self.recovered_at < RECOVER_S:
+            return
+        self.recovered_at = now
+        self.size = min(float(self.ceiling), math.ceil(self.size + (self.before_cut - self.size) / 2))
+        if self.size >= self.before_cut - 0.5:
+            self.size, self.before_cut = max(self.size, self.before_cut), 0.0
 
     def resize(self, ceiling: int) -> None:
         """A reload changed the class's max_concurrency."""

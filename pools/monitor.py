@@ -337,6 +337,8 @@ class ReplicaMonitor:
             return False
         replica.scraped = load
         replica.scraped_at = self._clock()
+        if load.waiting > 0 and load.running > replica.batch_full_at:
+            replica.batch_full_at = load.running
         if load.num_gpu_blocks and replica.kv_blocks is None:
             replica.kv_blocks = load.num_gpu_blocks  # learnt once; the prefix index is re-bounded to it
             if self._on_capacity is not None:

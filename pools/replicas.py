@@ -100,6 +100,8 @@ class Replica:
     # scraped load
     scraped: ScrapedLoad | None = None
     scraped_at: float | None = None
+    batch_full_at: float = 0.0  # the most requests it was scraped running while vLLM left others waiting (its
+    # batch, KV or token budget full): it runs no more at once. 0: never seen full
     # latency estimates (EWMA)
     prefill_s_per_token: float = 60e-6
     tpot_s: float = 0.02

@@ -135,6 +135,11 @@ class Resumer:
             self.gw.traffic.admission.pausable(ticket, self)
         return filt, self.run
 
+    @property
+    def replica(self) -> str | None:
+        """The replica its current leg runs on (the lane pauses the streams of a full replica)."""
+        return self.record.replica
+
     def pause(self) -> bool:
         """The background lane makes room: end the current leg's upstream request (vLLM aborts it, its batch slot
         and KV blocks free up); the relay reads that as a cut and `run` holds the client until the lane lets it go

@@ -11,6 +11,7 @@ import pytest
 from gateway.admission import fairness_session
 from gateway.record import RequestRecord
 from policies.admission import (
+    AGING,
     SERVICE_EXPIRY_S,
     SERVICE_HALF_LIFE_S,
     FairQueue,
@@ -196,3 +197,44 @@ def test_the_fairness_session_is_the_derived_session_scoped_by_key() -> None:
 
     record.session = FirstTurn()  # the session tracker's turn wins over the sticky key
     assert fairness_session(record, "alice", "s1") == "alice\0first-turn-7"
+
+
+def test_waiting_earns_credit_so_a_heavy_session_is_held_back_only_so_long() -> None:
+    """A session's past service holds its request back by 1 / AGING times the time the pool took to serve that
+    much: with the pool serving 1,000 / AGING tokens/s, 5,000 tokens of attained service put it 5 s behind the
+    order of arrival."""
+    ledger = ServiceLedger()
+    ledger.ended("heavy", 0.0, 5_000.0, 0.0, 0.0)
+    queue = FairQueue(ledger)
+    queue.push(_w("heavy", 0.0))
+    queue.push(_w("light_a", 3.0))  # a fresh session, 3 s later: goes first
+    queue.push(_w("light_b", 6.0))  # another, 6 s later: after heavy
+    assert [w.session for w in queue.order(7.0, served_per_s=1_000.0 / AGING)] == ["light_a", "heavy", "light_b"]
+    assert [w.session for w in queue.order(7.0, served_per_s=0.0)] == ["light_a", "light_b", "heavy"]  # plain LAS
+
+
+def _gate_serving(tokens_per_s: float) -> PoolGate:
+    gate = PoolGate.with_ledger(ServiceLedger())
+    for t in range(10):
+        gate.take_slot("interactive")
+        gate.free_slot("interactive", float(t), served=tokens_per_s)
+    return gate
+
+
+@pytest.mark.parametrize(("light_at", "first"), [(0.5, "light"), (1.5, "light"), (2.5, "heavy"), (9.0, "heavy")])
+def test_the_gate_credits_waiters_with_the_tokens_its_pool_served(light_at: float, first: str) -> None:
+    gate = _gate_serving(2_000.0 / AGING)
+    assert gate.drain.tokens_per_second(10.0) == pytest.approx(2_000.0 / AGING)
+    gate.queue.ledger.ended("heavy", 0.0, 4_000.0, 0.0, 10.0)  # held back 2 s
+    gate.queue.push(_w("heavy", 0.0))
+    gate.queue.push(_w("light", light_at))
+    admitted = gate.admit_waiting({"interactive": 1}, saturated=False, now=10.0)
+    assert [w.session for w in admitted] == [first]
+
+
+def test_a_turn_is_charged_its_prompt_growth_over_the_sessions_last_prompt() -> None:
+    ledger = ServiceLedger()
+    assert ledger.turn_charge("s", 40_000.0, 0.0) == 40_000.0  # a new session: all of it misses
+    assert ledger.turn_charge("s", 43_000.0, 1.0) == 3_000.0  # the next turn: what it added
+    assert ledger.turn_charge("s", 10_000.0, 2.0) == 10_000.0  # a shorter prompt: another context
+    assert ledger.turn_charge("", 5_000.0, 3.0) == 5_000.0 and ledger.get("") is None  # no session: its own

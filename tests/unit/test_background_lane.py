@@ -13,6 +13,7 @@ from gateway.admission import AdmissionControl, TrafficControl
 from gateway.record import RequestRecord
 from policies.background import (
     DECREASE_HOLD_S,
+    RECOVER_S,
     LATENCY_WINDOW_S,
     BackgroundWindow,
     ForegroundLatency,
@@ -44,6 +45,23 @@ def test_the_window_halves_on_congestion_once_per_hold_never_below_one() -> None
     for i in range(5):
         window.congested(200.0 + i * DECREASE_HOLD_S)
     assert window.limit() == 1 and window.decreases == 7
+
+
+def test_after_a_cut_each_quiet_recovery_step_wins_back_half_the_gap() -> None:
+    window = BackgroundWindow(size=16.0, ceiling=16)
+    window.congested(0.0)
+    window.congested(DECREASE_HOLD_S)  # two cuts of one burst: 16 → 8 → 4, the aim stays 16
+    assert window.limit() == 4
+    window.recover(DECREASE_HOLD_S + RECOVER_S / 2)  # too soon after the last cut
+    assert window.limit() == 4
+    sizes = []
+    for step in range(1, 6):
+        window.recover(DECREASE_HOLD_S + step * RECOVER_S)
+        sizes.append(window.limit())
+    assert sizes == [10, 13, 15, 16, 16]  # ceil(4 + 12/2), ceil(10 + 6/2), ... then regained: no further aim
+    assert window.before_cut == 0.0
+    window.recover(100.0)
+    assert window.limit() == 16  # recovery never grows past the size before the cut
 
 
 def test_a_reload_lowers_the_ceiling_and_the_window_with_it() -> None:
@@ -195,8 +213,9 @@ async def test_a_foreground_miss_cuts_the_window_and_its_p95_closes_the_lane() -
 class FakeStream:
     """A background stream as the lane sees it (gateway/migration/'s Resumer): it counts the pauses asked of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str | None = None) -> None:
         self.pauses = 0
+        self.replica = replica
 
     def pause(self) -> bool:
         self.pauses += 1
@@ -273,4 +292,46 @@ async def test_a_paused_stream_goes_on_after_its_longest_wait_whatever_the_lane_
     pressure["p"] = True  # no headroom from here on
     await asyncio.wait_for(ctl.paused(ticket), 1)
     assert ticket.holds_slot and ctl.gates["p"].in_flight["batch"] == 1
+    ticket.release()
+
+
+def _lane_with_streams(full: dict[str, bool]) -> tuple[AdmissionControl, FakeClock]:
+    clock = FakeClock()
+    classes = {"chat": TrafficClassConfig(priority=0, max_concurrency=8, queue_length=8),
+               "batch": TrafficClassConfig(priority=9, max_concurrency=8, background=True, max_pauses=1)}
+    ctl = AdmissionControl(TrafficConfig(classes=classes), clock, lambda pool: False, lambda pool: False,
+                           lambda pool: full[pool])
+    ctl._gate("p").window("batch", 8).size = 8.0
+    return ctl, clock
+
+
+async def test_a_foreground_request_sent_to_a_full_replica_pauses_one_background_stream_there() -> None:
+    ctl, _ = _lane_with_streams({"p": False})
+    streams = []
+    for url in ("http://a", "http://a", "http://b"):
+        _, ticket = await ctl.admit(FakeClient().receive, ["p"], "batch", 9, "k")
+        stream = FakeStream(url)
+        ctl.pausable(ticket, stream)
+        streams.append(stream)
+    assert not ctl.make_room("p", "http://a", in_flight=2, full_at=2)  # it still had a slot
+    assert not ctl.make_room("p", "http://a", in_flight=3, full_at=0)  # never seen full: nothing known
+    assert ctl.make_room("p", "http://a", in_flight=3, full_at=2)
+    assert sorted(s.pauses for s in streams[:2]) == [0, 1] and streams[2].pauses == 0  # one, on the full replica
+    assert ctl.make_room("p", "http://a", in_flight=4, full_at=2)
+    assert [s.pauses for s in streams] == [1, 1, 0]
+    assert not ctl.make_room("p", "http://a", in_flight=5, full_at=2)  # max_pauses used: they run to the end
+    assert ctl.counters["paused_for_arrival"] == 2
+
+
+async def test_no_background_request_goes_while_every_replica_batch_is_full() -> None:
+    full = {"p": True}
+    ctl, clock = _lane_with_streams(full)
+    waiting = asyncio.ensure_future(ctl.admit(FakeClient().receive, ["p"], "batch", 9, "k"))
+    await _settle()
+    assert not waiting.done()  # it would only wait in vLLM's queue, ahead of the next foreground request
+    assert ctl.gates["p"].windows["batch"].limit() == 8  # a full batch is no congestion: the window stays
+    full["p"] = False
+    clock.now += 0.1
+    ctl._pump("p")
+    _, ticket = await asyncio.wait_for(waiting, 1)
     ticket.release()
