@@ -17,6 +17,10 @@ N over its cost at the smallest N (how the decision grows with the pool).
 Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K tokens (distinct texts, so no tokens
 cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
 
+Memory (`--phases` picks which of sizes, long and memory run): each proxy alone on a fresh fleet of `--long-pool` workers, RSS (its processes
+together) after a warm-up, after 2,000 distinct ~28K-token prompts, after 200 distinct ~400K-token prompts (8 at a
+time) and 10 s later: what the prefix index and body handling keep.
+
 `--quick`: N = 16 and 256, one round of two seconds, the long prompts with 8 requests each (24 by default: CPU time
 is read in 10 ms ticks). Results in `--out`, by default loadtests/results/<time>-scale/: results.json (m3gate's CPU per
 request and idle CPU beside the peer's, informational; loadtests/lib/results.py) and scale.md (the tables).
@@ -67,9 +71,9 @@ _METRICS = (
 _STREAM_FLAG = re.compile(rb'"stream"\s*:\s*true')
 
 
-def _answer(prompt_tokens: int) -> bytes:
+def _answer(prompt_tokens: int, worker: bytes = b"fleet") -> bytes:
     return orjson.dumps({
-        "id": "chatcmpl-fleet", "object": "chat.completion", "created": 0, "model": "m",
+        "id": "chatcmpl-" + worker.decode(), "object": "chat.completion", "created": 0, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello " * 16},
                      "finish_reason": "length"}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}})
@@ -94,12 +98,15 @@ def _response(status: bytes, body: bytes, ctype: bytes) -> bytes:
 class _Worker(asyncio.Protocol):
     """A keep-alive HTTP/1.1 server connection that answers every request at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self.buf = b""
         self.transport: asyncio.Transport | None = None
+        self.delay_s = delay_s  # each chat answer this late (bench.gateways: load the routers can see)
+        self.port = b"fleet"  # its port, in a non-streamed answer's id: which worker served it (bench.gateways)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.port = str(transport.get_extra_info("sockname")[1]).encode()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -119,15 +126,22 @@ class _Worker(asyncio.Protocol):
             if len(parts) < 2 or head.startswith(b"pri * http/2"):  # an HTTP/2 probe (the Rust router's): not served
                 self.transport.close()
                 return
-            self.transport.write(self._answer(parts[1], body))
+            answer = self._answer(parts[1], body)
+            if self.delay_s and parts[1].startswith(b"/v1/chat"):  # in order: every answer is as late
+                asyncio.get_running_loop().call_later(self.delay_s, self._write, answer)
+            else:
+                self.transport.write(answer)
 
-    @staticmethod
-    def _answer(path: bytes, body: bytes) -> bytes:
+    def _write(self, answer: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(answer)
+
+    def _answer(self, path: bytes, body: bytes) -> bytes:
         if path.startswith(b"/v1/chat/completions"):
             tokens = max(1, len(body) // 4)
             if _STREAM_FLAG.search(body[-400:]) or _STREAM_FLAG.search(body[:400]):
                 return _response(b"200 OK", _stream(tokens), b"text/event-stream")
-            return _response(b"200 OK", _answer(tokens), b"application/json")
+            return _response(b"200 OK", _answer(tokens, self.port), b"application/json")
         if path.startswith(b"/metrics"):
             return _response(b"200 OK", _METRICS, b"text/plain")
         if path.startswith(b"/v1/models"):
@@ -135,9 +149,9 @@ class _Worker(asyncio.Protocol):
         return _response(b"200 OK", b"{}", b"application/json")  # /health, /version, anything else
 
 
-async def _serve_fleet(count: int, ports_file: Path) -> None:
+async def _serve_fleet(count: int, ports_file: Path, delay_s: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(_Worker, "127.0.0.1", 0, backlog=256) for _ in range(count)]
+    servers = [await loop.create_server(lambda: _Worker(delay_s), "127.0.0.1", 0, backlog=256) for _ in range(count)]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     tmp = ports_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(ports))
@@ -148,10 +162,10 @@ async def _serve_fleet(count: int, ports_file: Path) -> None:
 class Fleet:
     """`count` workers served by one child process; stop() ends it."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, delay_ms: float = 0.0) -> None:
         ports_file = Path(tempfile.mkdtemp(prefix="m3gate-fleet-")) / "ports.json"
         self.proc = subprocess.Popen([sys.executable, "-m", "loadtests.bench.scale", "--fleet", str(count),
-                                      "--ports-file", str(ports_file)])
+                                      "--ports-file", str(ports_file), "--fleet-delay-ms", str(delay_ms)])
         deadline = time.monotonic() + 60
         while not ports_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -283,6 +297,70 @@ def measure_long(n: int, peer: str | None, requests: int) -> dict[int, dict[str,
         fleet.stop()
 
 
+MEMORY_PHASES = ((2_000, 28_000), (200, 400_000))  # (distinct prompts, tokens each)
+MEMORY_CONCURRENCY = 8
+
+
+def _rss_mib(pids: Sequence[int]) -> float:
+    import psutil
+
+    return sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
+
+
+def _send_all(url: str, count: int, tokens: int, seed: int) -> int:
+    """`count` distinct prompts of `tokens` tokens, MEMORY_CONCURRENCY at a time; returns how many answered 200."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(k: int) -> bool:
+        body = orjson.dumps({**chat_body(16, False),
+                             "messages": [{"role": "user", "content": _long_text(tokens, seed + k)}]})
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                resp.read()
+                return resp.status == 200
+        except OSError:
+            return False
+
+    with ThreadPoolExecutor(MEMORY_CONCURRENCY) as pool:
+        return sum(pool.map(one, range(count)))
+
+
+def measure_memory(n: int, peer: str | None, scale: float) -> dict[str, dict[str, float | None]]:
+    """Per proxy (each on a fresh fleet of N): RSS (MiB, its processes together) after warm-up, after
+    MEMORY_PHASES' distinct long prompts one phase after the other, and 10 s later; `scale` shrinks the counts."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in ("m3gate", *([peer] if peer else [])):
+        fleet = Fleet(n)
+        proxies: list[Proxy] = []
+        try:
+            proxies = [p for p in start_proxies(fleet.urls, peer if name != "m3gate" else None, 1_048_576)
+                       if p.name == name]
+            if not proxies:
+                continue
+            proxy = proxies[0]
+            time.sleep(6.0)
+            _send_all(proxy.url, 16, 1_000, 10**7)
+            row: dict[str, float | None] = {"warm": _rss_mib(proxy.pids)}
+            for count, tokens in MEMORY_PHASES:
+                count = max(1, int(count * scale))
+                ok = _send_all(proxy.url, count, tokens, tokens)
+                row[f"after {count}×{tokens // 1000}K"] = _rss_mib(proxy.pids)
+                row[f"answered {count}×{tokens // 1000}K"] = float(ok)
+                print(f"  {name}: {ok}/{count} × {tokens:,} tokens, RSS {row[f'after {count}×{tokens // 1000}K']:.0f}"
+                      " MiB", flush=True)
+            time.sleep(10.0)
+            row["settled"] = _rss_mib(proxy.pids)
+            out[name] = row
+        finally:
+            for p in proxies:
+                p.stop()
+            fleet.stop()
+    return out
+
+
 def _long_cpu(proxy: Proxy, bodies: Sequence[dict[str, Any]]) -> float | None:
     import urllib.request
 
@@ -365,10 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="sglang-router:cache_aware", help="'' for none")
     parser.add_argument("--long-pool", type=int, default=100)
     parser.add_argument("--long-requests", type=int, default=24)
+    parser.add_argument("--phases", default="sizes,long,memory",
+                        help="which to run (default all): sizes (CPU per request at each N), long (long prompts' "
+                             "CPU), memory (RSS through 2,000 distinct 28K-token and 200 distinct 400K-token prompts; "
+                             "--quick: a quarter of each)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default loadtests/results/<time>-scale/)")
     parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)  # internal: serve a fleet of this size
     parser.add_argument("--ports-file", help=argparse.SUPPRESS)
+    parser.add_argument("--fleet-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     raise_fd_limit(20_000)
     if args.fleet:
@@ -378,26 +461,42 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(_serve_fleet(args.fleet, Path(args.ports_file)))
+        asyncio.run(_serve_fleet(args.fleet, Path(args.ports_file), args.fleet_delay_ms / 1000))
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s] if args.sizes else \
         [16, 256] if args.quick else [16, 64, 256, 1024]
     rounds, seconds = (1, 2.0) if args.quick else (args.rounds, args.seconds)
     peer = args.peer or None
+    phases = set(args.phases.split(","))
     results = {}
-    for n in sizes:
+    for n in (sizes if "sizes" in phases else []):
         print(f"N={n} ...", flush=True)
         results[n] = measure_size(n, peer, rounds, seconds)
         print(f"  {results[n]}", flush=True)
     long: dict[int, dict[str, float | None]] = {}
-    if args.long_pool:
+    if args.long_pool and "long" in phases:
         print(f"long prompts, N={args.long_pool} ...", flush=True)
         long = measure_long(args.long_pool, peer, 8 if args.quick else args.long_requests)
+    memory: dict[str, dict[str, float | None]] = {}
+    if "memory" in phases:
+        print(f"memory, N={args.long_pool} ...", flush=True)
+        memory = measure_memory(args.long_pool, peer, 0.25 if args.quick else 1.0)
     text = report(results, long, peer, args.long_pool)
+    if memory:
+        columns = list(next(iter(memory.values())))
+        text += ("\n\nMemory: RSS (MiB) through distinct long prompts, " + f"{MEMORY_CONCURRENCY} at a time\n\n| proxy | " +
+                 " | ".join(columns) + " |\n|---|" + "---|" * len(columns) + "\n" +
+                 "\n".join(f"| {name} | " + " | ".join(_fmt(row.get(c), ".0f") for c in columns) + " |"
+                            for name, row in memory.items()))
     print()
     print(text)
     folder = args.out or run_dir("scale")
-    results_of(results, long, peer, args).write(folder)
+    results = results_of(results, long, peer, args)
+    for name, row in memory.items():
+        for column, value in row.items():
+            if not column.startswith("answered"):
+                results.add(f"RSS {column}, {name}", value, "MiB")
+    results.write(folder)
     (folder / "scale.md").write_text(text + "\n")
     print(f"results: {folder}")
     return 0
