@@ -53,6 +53,7 @@ from pools.tasks import cancel_and_wait
 log = logging.getLogger("m3gate.admission")
 
 TICK_S = 0.05  # how often queued requests are re-checked while replicas are saturated (metrics change, no event)
+MADE_ROOM_GRACE_S = 1.0  # after a pause for a foreground arrival, vLLM's queue shows it this long without a cut
 _TTFT_SAMPLES = 1024
 
 
@@ -115,6 +116,7 @@ class AdmissionControl:
         self.saturated = saturated
         self.pressure = pressure or saturated  # some replica of the pool is saturated: the background lane's signal
         self.batches_full = batches_full or (lambda pool: False)  # no batch slot free: the lane waits, uncut
+        self._made_room_at: dict[str, float] = {}  # per pool: the latest pause for a foreground arrival
         self.gates: dict[str, PoolGate] = {}
         self._streams: dict[str, set[Ticket]] = {}  # per pool: its background streams that can be paused
         self._paused: dict[str, deque[tuple[Ticket, asyncio.Future[None]]]] = {}  # per pool: paused, oldest first
@@ -267,12 +269,15 @@ class AdmissionControl:
     def _watch_lane(self, pool: str, gate: PoolGate) -> None:
         """A saturated replica while background work runs in the pool cuts its windows (once per hold); a
         foreground request waiting on the saturated pool pauses its background streams. Without pressure, cut
-        windows win back their size (`BackgroundWindow.recover`)."""
+        windows win back their size (`BackgroundWindow.recover`). Pressure within MADE_ROOM_GRACE_S of a pause for
+        a foreground arrival cuts nothing: the pause already gave that request its slot, and vLLM's queue shows it
+        until the aborted stream's slot frees."""
         running = [cls for cls in self.background if gate.in_flight.get(cls, 0)]
         now = self.clock()
         if running and self.pressure(pool):
-            for cls in running:
-                self._window(gate, cls).congested(now)
+            if now - self._made_room_at.get(pool, -math.inf) >= MADE_ROOM_GRACE_S:
+                for cls in running:
+                    self._window(gate, cls).congested(now)
             if self._streams.get(pool) and self.saturated(pool) \
                     and not all(cls in self.background for cls in gate.queue.classes()):
                 self._pause_streams(pool)
@@ -293,6 +298,7 @@ class AdmissionControl:
             if ticket.holds_slot and cfg is not None and stream is not None and stream.replica == url \
                     and stream.pauses < cfg.max_pauses and stream.pause():
                 self.counters["paused_for_arrival"] += 1
+                self._made_room_at[pool] = self.clock()
                 return True
         return False
 

@@ -237,7 +237,7 @@ class Resumer:
                 del self.generated[self.done:]
                 await self._write(send, self._final_chunk() + self._ending(), end=True)
                 return True
-            leg = await self._open(failed, self.record.replica if paused else None)
+            leg = await self._open(failed, self.record.replica if paused and self._room_on_own() else None)
             if leg is None:
                 return False
             if not paused:
@@ -269,6 +269,14 @@ class Resumer:
                     with contextlib.suppress(asyncio.CancelledError):
                         await waiting
         self.pausing = False
+
+    def _room_on_own(self) -> bool:
+        """The replica a paused stream ran on has a batch slot free (or its limit is not known): it goes back there,
+        where its prefix is likely cached; else where routing sends it, rather than into a full replica's queue
+        ahead of the foreground requests that come next."""
+        pool = self.gw.pools.get(self.record.pool)
+        replica = pool.replicas.get(self.record.replica) if pool is not None else None
+        return replica is None or replica.batch_full_at <= 0 or replica.in_flight < replica.batch_full_at
 
     def _blame(self, pool_name: str, url: str) -> None:
         """A replica that broke a stream counts it as a failure (three in a row eject it), resumed or not."""

@@ -335,3 +335,26 @@ async def test_no_background_request_goes_while_every_replica_batch_is_full() ->
     ctl._pump("p")
     _, ticket = await asyncio.wait_for(waiting, 1)
     ticket.release()
+
+
+async def test_pressure_just_after_a_pause_for_an_arrival_cuts_no_window() -> None:
+    """The paused stream's slot frees a moment after the foreground request reached vLLM: its queue shows that
+    request meanwhile, which is no congestion; pressure that outlasts MADE_ROOM_GRACE_S is."""
+    from gateway.admission import MADE_ROOM_GRACE_S
+
+    pressure = {"p": False}
+    clock = FakeClock()
+    classes = {"chat": TrafficClassConfig(priority=0, max_concurrency=8, queue_length=8),
+               "batch": TrafficClassConfig(priority=9, max_concurrency=8, background=True, max_pauses=3)}
+    ctl = AdmissionControl(TrafficConfig(classes=classes), clock, lambda pool: False, lambda pool: pressure[pool])
+    ctl._gate("p").window("batch", 8).size = 8.0
+    for _ in range(2):
+        _, ticket = await ctl.admit(FakeClient().receive, ["p"], "batch", 9, "k")
+        ctl.pausable(ticket, FakeStream("http://a"))
+    assert ctl.make_room("p", "http://a", in_flight=3, full_at=2)
+    pressure["p"] = True
+    ctl._watch_lane("p", ctl.gates["p"])
+    assert ctl.gates["p"].windows["batch"].limit() == 8
+    clock.now += MADE_ROOM_GRACE_S
+    ctl._watch_lane("p", ctl.gates["p"])
+    assert ctl.gates["p"].windows["batch"].limit() == 4
