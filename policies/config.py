@@ -217,6 +217,11 @@ class PoolConfig(_Strict):
     kv_blocks: int | None = Field(
         default=None, gt=0, description="KV cache blocks per replica; read from vllm:cache_config_info when unset."
     )
+    max_num_seqs: int | None = Field(
+        default=None, gt=0,
+        description="The replicas' --max-num-seqs, which vLLM does not export: their batch size known from the start "
+                    "(the background lane, the capacity model); learnt from their metrics when unset.",
+    )
     spill_upward: bool = Field(default=True, description="May overflow into the next larger pool when saturated.")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         default="fcfs", description="The replicas' --scheduling-policy; with priority the gateway sends each "

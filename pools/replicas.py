@@ -256,6 +256,7 @@ class PoolRuntime:
         replica = existing or Replica(url=url, pool=self.config.name)
         replica.block_size = self.config.block_size
         replica.kv_blocks = self.config.kv_blocks or replica.kv_blocks
+        replica.batch_full_at = float(self.config.max_num_seqs or replica.batch_full_at)
         replica.role = role
         self.replicas[url] = replica
 

@@ -497,8 +497,10 @@ class CapacitySignal:
                            max_num_seqs=self._role_slots(pool, role))
 
     def _role_slots(self, pool: Any, role: str) -> int | None:
-        """The role's batch-slot limit: the smallest learnt of its replicas' (they are launched alike); None while
-        none has been seen full."""
+        """The role's batch-slot limit: the pool's `max_num_seqs` when configured, else the smallest learnt of its
+        replicas' (they are launched alike); None while none has been seen full."""
+        if pool.config.max_num_seqs:
+            return pool.config.max_num_seqs
         replicas = pool.of_role(role) if pool.disaggregated else list(pool.replicas.values())
         known = [n for n in (self._slot_limit(r.url) for r in replicas) if n is not None]
         return min(known) if known else None

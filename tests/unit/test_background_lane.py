@@ -358,3 +358,16 @@ async def test_pressure_just_after_a_pause_for_an_arrival_cuts_no_window() -> No
     clock.now += MADE_ROOM_GRACE_S
     ctl._watch_lane("p", ctl.gates["p"])
     assert ctl.gates["p"].windows["batch"].limit() == 4
+
+
+def test_a_pools_max_num_seqs_is_each_replicas_batch_size_from_the_start() -> None:
+    from policies.config import PoolConfig
+    from pools.replicas import PoolRuntime
+
+    stated = PoolRuntime.from_config(PoolConfig(name="p", max_model_len=8192, max_num_seqs=8,
+                                                endpoints=["http://a:8000", "http://b:8000"]))
+    assert [r.batch_full_at for r in stated.replicas.values()] == [8.0, 8.0]
+    learnt = PoolRuntime.from_config(PoolConfig(name="p", max_model_len=8192, endpoints=["http://a:8000"]))
+    assert [r.batch_full_at for r in learnt.replicas.values()] == [0.0]  # learnt from the metrics
+    with pytest.raises(ValidationError):
+        PoolConfig(name="p", max_model_len=8192, max_num_seqs=0)
