@@ -336,8 +336,10 @@ def measure_memory(n: int, peer: str | None, scale: float) -> dict[str, dict[str
         fleet = Fleet(n)
         proxies: list[Proxy] = []
         try:
-            proxies = [p for p in start_proxies(fleet.urls, peer if name != "m3gate" else None, 1_048_576)
-                       if p.name == name]
+            proxies = start_proxies(fleet.urls, peer if name != "m3gate" else None, 1_048_576)
+            for other in [p for p in proxies if p.name != name]:  # m3gate starts beside the peer: not measured here
+                other.stop()
+                proxies.remove(other)
             if not proxies:
                 continue
             proxy = proxies[0]
