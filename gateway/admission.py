@@ -293,10 +293,8 @@ class AdmissionControl:
         if full_at <= 0 or in_flight <= full_at:
             return False
         for ticket in self._streams.get(pool, ()):
-            cfg = self.traffic.classes.get(ticket.cls)
-            stream = ticket.stream
-            if ticket.holds_slot and cfg is not None and stream is not None and stream.replica == url \
-                    and stream.pauses < cfg.max_pauses and stream.pause():
+            stream = self._can_pause(ticket)
+            if stream is not None and stream.replica == url and stream.pause():
                 self.counters["paused_for_arrival"] += 1
                 self._made_room_at[pool] = self.clock()
                 return True
@@ -305,10 +303,17 @@ class AdmissionControl:
     def _pause_streams(self, pool: str) -> None:
         """Pause the pool's running background streams that have pauses left (`max_pauses` of their class)."""
         for ticket in list(self._streams.get(pool, ())):
-            cfg = self.traffic.classes.get(ticket.cls)
-            stream = ticket.stream
-            if ticket.holds_slot and cfg is not None and stream is not None and stream.pauses < cfg.max_pauses:
+            stream = self._can_pause(ticket)
+            if stream is not None:
                 stream.pause()
+
+    def _can_pause(self, ticket: Ticket) -> Pausable | None:
+        """`ticket`'s stream, if it runs (holds its slot) and has pauses left (`max_pauses` of its class)."""
+        cfg = self.traffic.classes.get(ticket.cls)
+        stream = ticket.stream
+        if ticket.holds_slot and cfg is not None and stream is not None and stream.pauses < cfg.max_pauses:
+            return stream
+        return None
 
     def pausable(self, ticket: Ticket, stream: Pausable) -> None:
         """`stream` (its request holds `ticket`) may be paused if its class is background."""

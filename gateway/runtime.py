@@ -204,7 +204,7 @@ class Gateway:
             return False
         now = self.clock()
         for replica in (pool.of_role("serving") if pool.disaggregated else pool.replicas.values()):
-            if replica.is_available(now) and (replica.batch_full_at <= 0 or replica.in_flight < replica.batch_full_at):
+            if replica.is_available(now) and replica.has_batch_slot():
                 return False
         return True
 

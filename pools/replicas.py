@@ -112,6 +112,10 @@ class Replica:
     probe_wake: Callable[[Replica, bool], None] | None = field(default=None, repr=False, compare=False)
     probe_backed_off: bool = field(default=False, repr=False, compare=False)
 
+    def has_batch_slot(self) -> bool:
+        """This gateway's requests on it are fewer than vLLM runs at once (`batch_full_at`), or that is not known."""
+        return self.batch_full_at <= 0 or self.in_flight < self.batch_full_at
+
     def is_available(self, now: float) -> bool:
         return self.healthy and not self.draining and self.shutting_down is None and now >= self.ejected_until
 

@@ -276,7 +276,7 @@ class Resumer:
         ahead of the foreground requests that come next."""
         pool = self.gw.pools.get(self.record.pool)
         replica = pool.replicas.get(self.record.replica) if pool is not None else None
-        return replica is None or replica.batch_full_at <= 0 or replica.in_flight < replica.batch_full_at
+        return replica is None or replica.has_batch_slot()
 
     def _blame(self, pool_name: str, url: str) -> None:
         """A replica that broke a stream counts it as a failure (three in a row eject it), resumed or not."""
