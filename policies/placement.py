@@ -12,7 +12,9 @@ request serves no more than round robin (loadtests/bench/prefix_load.py). So:
 - it leaves home only when home is **persistently** more queued than another replica, now and averaged over the
   last `window_s`, by more than the move costs: recomputing the uncached part there now, plus the same again for
   what it displaces (a cache under load is full, so each block written evicts one someone will miss), times
-  `move_cost_factor`. The target then holds the prefix too: that is a second home, and the group's later requests
+  `move_cost_factor`, plus the recompute's delay to every request the target is sent while its backlog lasts
+  (near saturation a backlog lasts, and a move there costs many times its own recompute). The target then holds
+  the prefix too: that is a second home, and the group's later requests
   follow it by the same rule, so a hot prefix is replicated onto as many replicas as its load needs and no more;
 - a prefix no replica holds founds a new group: among the replicas that would serve it about as fast, it goes to
   those sent the fewest requests lately (`DispatchRate`), since the groups already homed on a replica keep coming
@@ -78,16 +80,21 @@ def move_cost_s(extra_prefill_s: float, factor: float) -> float:
 
 
 def should_move(home_wait_s: tuple[float, float], other_wait_s: tuple[float, float], extra_prefill_s: float,
-                factor: float, later_requests: float = 0.0) -> bool:
+                factor: float, later_requests: float = 0.0, delayed_requests: float = 0.0) -> bool:
     """Leave home for `other` only if it saves more than the move costs both now and over the window.
 
     `*_wait_s`: (queue wait now, its windowed average) on each replica; `extra_prefill_s`: the prefill `other` adds
     for this request (its uncached tokens beyond home's) — paid once, on top of the displacement `move_cost_s`.
+    `delayed_requests`: the target's requests that will wait behind that extra prefill (those it is sent while its
+    backlog lasts): each pays it too. A queue near saturation lasts, so there a move costs many times its own
+    recompute, while a replica with room pays it about once.
     `later_requests`: the group's requests expected within the window after this one; the move gives the group a
     second home, so they save the wait too while the cost is paid once (a hot prefix spreads sooner than a rare one)."""
     if math.isinf(factor):
         return False
-    threshold = (max(extra_prefill_s, 0.0) + move_cost_s(extra_prefill_s, factor)) / (1.0 + max(later_requests, 0.0))
+    extra = max(extra_prefill_s, 0.0)
+    threshold = (extra * (1.0 + max(delayed_requests, 0.0)) + move_cost_s(extra_prefill_s, factor)) \
+        / (1.0 + max(later_requests, 0.0))
     return (home_wait_s[0] - other_wait_s[0] > threshold) and (home_wait_s[1] - other_wait_s[1] > threshold)
 
 

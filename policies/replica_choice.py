@@ -264,6 +264,23 @@ def _replica_state(replica: ReplicaSnapshot, params: ChoiceParams) -> tuple[floa
             reported if reported > in_flight else float(in_flight))
 
 
+def _keep_full_holders(candidates: list[Candidate], params: ChoiceParams) -> None:
+    """A replica saturated only because its KV is full stays usable for the requests whose longest cached prefix it
+    holds: it must write only their uncached part, while any other replica writes all of it, evicting what someone
+    else will miss; and vLLM frees blocks as its running requests end. Excluding it under load sent a group's
+    requests elsewhere as misses and split the group (loadtests/bench/prefix_load.py near saturation). A persistent
+    queue there still moves the prefix (policies/placement.py)."""
+    most = max(c.matched_blocks for c in candidates)
+    if most <= 0:
+        return
+    for c in candidates:
+        if c.saturated and c.matched_blocks == most:
+            r = c.replica
+            if r.metrics_age_s is not None and r.metrics_age_s <= params.stale_after_s and \
+                    (r.waiting is None or r.waiting <= params.max_waiting):
+                c.saturated = False
+
+
 def _mix(seed: int, i: int) -> int:
     """The i-th of a seed's pseudo-random draws (splitmix64): the same seed draws the same replicas everywhere."""
     z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
@@ -462,6 +479,7 @@ class PrefixAffinity:
         self._window = QueueWindow(self.params.placement_window_s)  # each replica's queue, its persistent part
         self._sends = DispatchRate()  # requests sent to each replica lately: where new prefixes find room
         self._groups = DispatchRate(self.params.placement_window_s, max_replicas=65_536)  # each cached prefix's rate
+        self._arrivals = DispatchRate(self.params.placement_window_s)  # each replica's, on the placement's time scale
         self._last: tuple[RoutingRequest, list[Candidate]] | None = None  # the last choice, for dispatched
         self._matched: tuple[RoutingRequest, Mapping[str, int]] | None = None  # the shortlist's index match
 
@@ -537,6 +555,8 @@ class PrefixAffinity:
             out.append(Candidate(url, r, saturated, matched, max(uncached, 0), ttft, load, source, queue, alone))
         if not out:
             raise NoReplicaAvailable(replicas[0].pool if replicas else None, len(replicas))
+        if matches:
+            _keep_full_holders(out, params)
         return out
 
     def choose(self, request: RoutingRequest, replicas: Sequence[ReplicaSnapshot], now: float) -> RoutingDecision:
@@ -578,16 +598,19 @@ class PrefixAffinity:
             prefill_plan=plan,
         )
 
-    def _plan(self, c: Candidate) -> tuple[float, int, float]:
+    def _plan(self, c: Candidate, stretch: float = 1.0) -> tuple[float, int, float]:
         """The replica's step plan for this request; its TTFT is the calibrated median. The replica's virtual step
         clock (policies/latency_model.prefill_plan) at the pool's learnt engine cost: when this request's prefill step
         would start and end, given what this gateway sent the replica and when. Requests the replica reports waiting
-        beyond all this gateway has in flight there (other gateways') count as this request's size each."""
+        beyond all this gateway has in flight there (other gateways') count as this request's size each.
+        `stretch`: the planned step lasts this many times longer (`_clock_ttfts`)."""
         r = c.replica
         assert self.calibrator is not None
         cost = self.calibrator.cost
         uncached = c.uncached_tokens
-        plan = prefill_plan(cost, r.step_starts_in, r.step_ends_in, r.step_tokens, uncached, r.prefill_tokens)
+        ends_in = r.step_ends_in if stretch == 1.0 else \
+            r.step_starts_in + (r.step_ends_in - r.step_starts_in) * stretch
+        plan = prefill_plan(cost, r.step_starts_in, ends_in, r.step_tokens, uncached, r.prefill_tokens)
         others = (r.waiting or 0.0) - r.in_flight
         if others > 0.0:  # unseen work ahead: it delays the step, without changing what the step holds
             extra = others * cost.seconds(uncached)
@@ -646,6 +669,7 @@ class PrefixAffinity:
                 if len(shares) > _MAX_SHARES:  # replicas come and go with discovery: keep the recent ones
                     del shares[next(iter(shares))]
         self._sends.sent(replica, now)
+        self._arrivals.sent(replica, now)
         if self._record_request is not None:
             self._record_request(request, replica, now)
         elif self.prefix_index is not None and request.block_hashes:
@@ -671,9 +695,9 @@ class PrefixAffinity:
         averages = {c.url: self._window.observe(c.url, c.queue_s, now) for c in usable}
         home, reason = self._home(request, usable, max(c.matched_blocks for c in usable), now)
         if home is None:
-            chosen, reason = self._preferred(request, ranked, min(c.predicted_ttft_s for c in usable), now)
+            chosen, reason = self._preferred(request, ranked, now)
         else:
-            chosen = self._moved(home, usable, averages, reason == "session", self._later(request, home, now))
+            chosen = self._moved(home, usable, averages, reason == "session", self._later(request, home, now), now)
             if chosen is not home:
                 reason = "prefix_move"
         bound = self._load_bound([c.load for c in usable])
@@ -708,10 +732,11 @@ class PrefixAffinity:
         return min(holders, key=lambda c: (c.predicted_ttft_s, c.url)), "affinity_hit"
 
     def _moved(self, home: Candidate, usable: Sequence[Candidate], averages: Mapping[str, float],
-               session: bool, later: float) -> Candidate:
+               session: bool, later: float, now: float) -> Candidate:
         """Home, unless another replica is persistently less queued by more than the move costs, spread over the
         `later` requests of the group due within the window (policies/placement.should_move): the one whose TTFT
-        plus the move's displacement cost is least. A session's
+        plus the move's displacement cost is least. The move's cost also counts the target's requests that wait
+        behind its extra prefill. A session's
         replica also holds history the index may not know of: it is left only for a TTFT beyond session_ttft_factor
         × the other's + session_slack_s."""
         params = self.params
@@ -728,18 +753,27 @@ class PrefixAffinity:
         limit = params.session_ttft_factor * other.predicted_ttft_s + params.session_slack_s
         if session and home.predicted_ttft_s <= limit:
             return home
+        # the requests the target takes while the move's extra prefill is still ahead of them: as long as its
+        # backlog lasts (its windowed queue) plus the extra itself, at the rate it is sent requests
+        delayed = self._arrivals.rate(other.url, now) * (max(averages[other.url], 0.0) + max(extra(other), 0.0))
         if should_move((home.queue_s, averages[home.url]), (other.queue_s, averages[other.url]), extra(other),
-                       factor, later):
+                       factor, later, delayed):
             return other
         return home
 
-    def _preferred(self, request: RoutingRequest, ranked: Sequence[Candidate], best_ttft: float,
-                   now: float) -> tuple[Candidate, str]:
+    def _preferred(self, request: RoutingRequest, ranked: Sequence[Candidate], now: float) -> tuple[Candidate, str]:
         """No replica holds any of the prompt: the near-best ones are interchangeable; of those, the ones sent the
         fewest requests lately (the prefixes homed there come back), and rendezvous hashing on the first block (or,
-        with no block at all, rotation) chooses among them, so repeats of a new prefix meet."""
-        limit = best_ttft * self.params.near_best_factor + self.params.near_best_slack_s
-        near = [c for c in ranked if c.predicted_ttft_s <= limit] or [ranked[0]]
+        with no block at all, rotation) chooses among them, so repeats of a new prefix meet.
+
+        "Near-best" reads the replicas' step clocks where the pool has a calibrator (`_clock_ttfts`): a whole
+        prompt is prefilled here, and a replica whose last prefill ends in 0.2 s is not the same as one whose
+        prefill just began, though both have one prompt outstanding (the analytic TTFT counts outstanding tokens,
+        not how far along they are). Without the clock, the analytic TTFT."""
+        ttfts = self._clock_ttfts(ranked) if self.calibrator is not None and len(ranked) > 1 else \
+            [c.predicted_ttft_s for c in ranked]
+        limit = min(ttfts) * self.params.near_best_factor + self.params.near_best_slack_s
+        near = [c for c, ttft in zip(ranked, ttfts, strict=True) if ttft <= limit]
         if len(near) > 1:
             room = set(self._sends.least_used([c.url for c in near], now))
             near = [c for c in near if c.url in room]
@@ -749,6 +783,23 @@ class PrefixAffinity:
         turn = self._turn
         self._turn += 1
         return near[turn % len(near)], "least_loaded"
+
+    def _clock_ttfts(self, candidates: Sequence[Candidate]) -> list[float]:
+        """Each candidate's TTFT by its step clock. A step past its planned end whose first token has not come says
+        the engine runs slower than the learnt cost (a fresh pool's first seconds, a slow spell): every clock is
+        stretched by the most overdue step's elapsed ÷ planned time, plus a tenth, capped at 4× (a stalled replica
+        must not set every clock), so that replicas keep their order — the step begun first ends first."""
+        stretch = 1.0
+        for c in candidates:
+            r = c.replica
+            span = r.step_ends_in - r.step_starts_in
+            if r.prefill_tokens > 0 and r.step_ends_in < 0.0 and span > 0.0:
+                ratio = -r.step_starts_in / span
+                if ratio > stretch:
+                    stretch = ratio
+        if stretch > 1.0:
+            stretch = min(stretch * 1.1, 4.0)
+        return [self._plan(c, stretch)[2] for c in candidates]
 
     def _load_bound(self, loads: Sequence[float]) -> float:
         """Consistent hashing with bounded loads: after taking this request, no replica may carry more than

@@ -12,7 +12,8 @@ arrivals. Four simulated replicas (`m3gate sim`, the default 4-bytes-per-token t
 to one group, the rest spread over the other 23, at 10 requests/s: the hot group's hits alone are more than one
 replica prefills, the case where a prefix needs a second home and a rule that never moves is wrong.
 
-Routers, each on the same arrivals, the replicas' caches and counters reset before every run, rounds interleaved:
+Routers, each on the same arrivals, the replicas' caches and counters reset before every run, rounds interleaved
+(round k on its own arrivals, seed 11 + k):
 - `m3gate`: `routing.policy: prefix_affinity` (its defaults);
 - `sglang`: SGLang's Rust router, `--policy cache_aware` with its defaults (stay on the longest match unless the
   load imbalance exceeds 64 requests and 1.5×), in its own virtualenv (loadtests/lib/peers.py);
@@ -193,16 +194,19 @@ def run_one(router: str, plan: Plan, urls: Sequence[str], folder: Path, oracle: 
 
 def run_variant(variant: str, shape: Shape, rates: Sequence[float], routers: Sequence[str], rounds: int,
                 folder: Path, progress: bool | None) -> dict[str, Any]:
-    """Every rate × router, rounds interleaved (odd rounds in reverse order); medians per (rate, router)."""
+    """Every rate × router, rounds interleaved (odd rounds in reverse order); medians per (rate, router). Round k
+    draws its order and arrivals from seed `shape.seed + k` (the replicas are deterministic: a round repeated on
+    the same arrivals repeats itself), so the medians are over different arrivals, each router on the same ones."""
     from loadtests.lib.oracle import oracle_hit_rates
 
     per: dict[str, dict[str, list[dict[str, Any]]]] = {f"{r:g}": {x: [] for x in routers} for r in rates}
-    oracles: dict[str, float] = {}
+    oracle_runs: dict[str, list[float]] = {f"{r:g}": [] for r in rates}
     with sim_pool(REPLICAS, 16384, SIM_ARGS) as pool:
         for rnd in range(rounds):
             for rate in rates:
-                plan = shape.plan(rate)
-                oracle = oracles.setdefault(f"{rate:g}", oracle_hit_rates(plan)["session"])
+                plan = replace(shape, seed=shape.seed + rnd).plan(rate)  # each round its own order and arrivals
+                oracle = oracle_hit_rates(plan)["session"]
+                oracle_runs[f"{rate:g}"].append(oracle)
                 for router in (routers if rnd % 2 == 0 else tuple(reversed(routers))):
                     pool.reset()
                     started = time.monotonic()
@@ -212,6 +216,7 @@ def run_variant(variant: str, shape: Shape, rates: Sequence[float], routers: Seq
                     print(f"  {variant} {rate:g}/s round {rnd + 1} {router:11s} {_line(row)} "
                           f"({time.monotonic() - started:.0f} s)", flush=True)
     rows = {rate: {router: median_rows(v) for router, v in by.items()} for rate, by in per.items()}
+    oracles = {rate: statistics.median(v) for rate, v in oracle_runs.items()}
     return {"variant": variant, "shape": shape.__dict__, "oracle": oracles, "rows": rows, "per_round": per,
             "checks": checks(variant, rows)}
 
@@ -320,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--routers", nargs="+", choices=ROUTERS, default=None,
                     help="default: m3gate and sglang (uniform); + never_move (hot)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=Shape.seed, help="round k's arrivals come from seed + k")
     ap.add_argument("--routing", type=json.loads, default={}, metavar="JSON",
                     help='m3gate\'s routing settings for this run, e.g. \'{"placement": {"window_s": 3}}\'')
     ap.add_argument("--out", type=Path, default=None)
@@ -332,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     variants: dict[str, Any] = {}
     for variant in args.variants:
-        shape = Shape() if variant == "uniform" else replace(Shape(), per_group=10, hot_share=0.5)
+        shape = Shape(seed=args.seed) if variant == "uniform" else \
+            Shape(seed=args.seed, per_group=10, hot_share=0.5)
         routers = tuple(args.routers or DEFAULT_ROUTERS[variant])
         variants[variant] = run_variant(variant, shape, rates if variant == "uniform" else hot_rates, routers,
                                         args.rounds, folder, args.progress)

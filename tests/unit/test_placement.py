@@ -85,3 +85,14 @@ def test_the_groups_later_requests_share_the_moves_cost() -> None:
     assert not should_move((0.5, 0.5), (0.0, 0.0), extra, 0.25)
     assert should_move((0.5, 0.5), (0.0, 0.0), extra, 0.25, later_requests=3.0)  # 1.0 / 4 = 0.25 s
     assert not should_move((0.5, 0.5), (0.0, 0.0), extra, math.inf, later_requests=100.0)
+
+
+def test_requests_that_wait_behind_the_extra_prefill_add_to_the_moves_cost() -> None:
+    """Near saturation the target's backlog lasts, so the requests it is sent meanwhile each wait for the move's
+    recompute: a gap that pays for the recompute alone does not pay for it three times over."""
+    extra = 0.8  # threshold 1.0 s for one request, nobody behind
+    assert should_move((1.2, 1.2), (0.0, 0.0), extra, 0.25)
+    assert not should_move((1.2, 1.2), (0.0, 0.0), extra, 0.25, delayed_requests=2.0)  # 0.8 × 3 + 0.2 = 2.6 s
+    assert should_move((2.7, 2.7), (0.0, 0.0), extra, 0.25, delayed_requests=2.0)
+    # a hot group's later requests still share it: 2.6 s over 16 requests
+    assert should_move((1.2, 1.2), (0.0, 0.0), extra, 0.25, later_requests=15.0, delayed_requests=2.0)

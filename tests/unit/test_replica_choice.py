@@ -369,6 +369,46 @@ def test_new_prefixes_go_where_the_homed_ones_bring_back_the_least_traffic() -> 
     assert max(spread.values()) - min(spread.values()) <= 2 < max(hashed.values()) - min(hashed.values())
 
 
+def test_a_new_prefix_goes_where_the_outstanding_prefill_ends_first() -> None:
+    """Every replica has one whole 7,200-token prompt outstanding, begun at different times: the analytic TTFT
+    sees four equal queues, the step clocks (a calibrated pool) see which one frees first, and a new prefix, all
+    of it to prefill, goes there, whatever its first block hashes to."""
+    from policies.latency_model import TtftCalibrator
+
+    begun = {URLS[0]: 0.60, URLS[1]: 0.10, URLS[2]: 0.40, URLS[3]: 0.25}  # seconds ago
+    step_s = 0.87
+
+    def busy(url: str) -> ReplicaSnapshot:
+        ends_in = step_s - begun[url]
+        return fresh(url, in_flight=1, in_flight_tokens=7200, prefill_tokens=7200, step_starts_in=-begun[url],
+                     step_ends_in=ends_in, step_tokens=7200)
+
+    hashed = {t: max(URLS, key=lambda u: rendezvous_weight(blocks(t, 56)[0], u)) for t in range(40)}
+    for tag in (t for t in hashed if hashed[t] != URLS[0]):
+        request = RoutingRequest(7200, 100, blocks(tag, 56))
+        plain = _affinity().choose(request, [busy(u) for u in URLS], now=0.0)
+        assert plain.replica == hashed[tag]  # equal analytic TTFTs: the hash decides
+        clocked = PrefixAffinity(prefix_index=PrefixIndex(), params=PARAMS, calibrator=TtftCalibrator())
+        decision = clocked.choose(request, [busy(u) for u in URLS], now=0.0)
+        assert (decision.replica, decision.reason) == (URLS[0], "cold_rendezvous")
+
+
+def test_a_step_past_its_planned_end_stretches_every_clock() -> None:
+    """A fresh pool's learnt cost is low (0.45 s planned for a 0.87 s prefill): A's step, begun 0.6 s ago, is
+    overdue and has not answered; B's, begun 0.28 s ago, still "ends" in 0.17 s by the clock. A started first, so
+    it frees first: the overdue step stretches both clocks and the new prefix goes to A, not B."""
+    from policies.latency_model import TtftCalibrator
+
+    planned = TtftCalibrator().cost.seconds(7200)
+    begun = {URLS[0]: 0.60, URLS[1]: 0.28}
+    snapshots = [fresh(u, in_flight=1, in_flight_tokens=7200, prefill_tokens=7200, step_starts_in=-ago,
+                       step_ends_in=planned - ago, step_tokens=7200) for u, ago in begun.items()]
+    assert snapshots[0].step_ends_in < 0.0 < snapshots[1].step_ends_in
+    for tag in range(20):
+        policy = PrefixAffinity(prefix_index=PrefixIndex(), params=PARAMS, calibrator=TtftCalibrator())
+        assert policy.choose(RoutingRequest(7200, 100, blocks(tag, 56)), snapshots, now=0.0).replica == URLS[0]
+
+
 def test_rendezvous_moves_only_the_prefixes_of_a_removed_replica() -> None:
     policy = _affinity()
     before = {t: policy.choose(RoutingRequest(3000, 1, blocks(t, 20)), [fresh(u) for u in URLS], 0.0).replica
@@ -435,7 +475,24 @@ def test_a_session_leaves_an_unhealthy_or_saturated_replica() -> None:
     request = RoutingRequest(3000, 100, blocks(9, 20), session_key="carol")
     policy.dispatched(request, URLS[0], now=0.0)
     assert policy.choose(request, [fresh(URLS[0], healthy=False), fresh(URLS[1])], now=1.0).replica == URLS[1]
-    assert policy.choose(request, [fresh(URLS[0], kv_usage=0.99), fresh(URLS[1])], now=1.0).replica == URLS[1]
+    full_queue = fresh(URLS[0], kv_usage=0.99, waiting=40.0)
+    assert policy.choose(request, [full_queue, fresh(URLS[1])], now=1.0).replica == URLS[1]
+
+
+def test_a_full_kv_keeps_the_requests_whose_prefix_it_holds() -> None:
+    """KV usage at the limit marks a replica saturated for new work, but a request whose prefix it holds writes
+    only its uncached part there (a miss elsewhere writes all of it): it stays, while a prompt the replica does not
+    hold, and a replica with a full queue, are still kept out."""
+    policy = _affinity()
+    request = RoutingRequest(3000, 100, blocks(9, 20), session_key="carol")
+    policy.dispatched(request, URLS[0], now=0.0)
+    full = fresh(URLS[0], kv_usage=0.99)
+    decision = policy.choose(request, [full, fresh(URLS[1])], now=1.0)
+    assert (decision.replica, decision.reason) == (URLS[0], "session")
+    unseen = RoutingRequest(3000, 100, blocks(10, 20))
+    assert policy.choose(unseen, [full, fresh(URLS[1])], now=1.0).replica == URLS[1]
+    stale = fresh(URLS[0], kv_usage=0.99, metrics_age_s=30.0)
+    assert policy.choose(request, [stale, fresh(URLS[1])], now=1.0).replica == URLS[1]
 
 
 def test_sessions_are_a_bounded_lru_and_expire() -> None:
