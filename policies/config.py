@@ -342,10 +342,11 @@ class PlacementConfig(_Strict):
     )
     move_cost_factor: float = Field(
         default=0.25, ge=0,
-        description="A request leaves its prefix's replica only if the queue it saves exceeds its extra prefill plus "
-                    "this many times that again: the share of the KV its prefix displaces on the target that will be "
+        description="A request leaves its prefix's replica only if the queue it saves exceeds its extra prefill (once "
+                    "for itself and once for each request the target is sent while its backlog lasts) plus this many "
+                    "times that prefill again: the share of the KV its prefix displaces on the target that will be "
                     "missed later. .inf: never for load (the bounded-load rule still applies); 0: whenever the wait "
-                    "saved exceeds the extra prefill.",
+                    "saved exceeds the extra prefill the move adds.",
     )
 
 

@@ -18,8 +18,10 @@ texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windo
   on the bench's agent chats and such mixes: ~1.2% rms error, ~4% at worst, and within the stated bound in every case
   tried (the worst at 85% of it).
 
-The sampled path caches nothing (it counts no piece whole): a conversation first seen already long is estimated again
-at each turn (~1.5 ms), while one that grew past EXACT_BELOW_CHARS turn by turn stays exact from the cache.
+The sampled path keeps each long piece's own estimate (from the windows that fell in it: its own ratio and error
+bound), so a long system prompt, tool schema or document sent again costs a lookup and only the new pieces are
+counted (exactly, when they are short): a conversation first seen already long is estimated once (~1.5 ms), not at
+each turn, while one that grew past EXACT_BELOW_CHARS turn by turn stays exact from the count cache.
 
 Thread-safe: the tiktoken encoder is immutable and releases the GIL while encoding; the only other state is the
 caches of the counts of repeated pieces (a locked LRU for long pieces, a FIFO of atomic operations for short ones).
@@ -35,6 +37,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import tiktoken
 
@@ -81,6 +84,11 @@ CACHE_LOOKUP_MAX_CHARS = 1_000_000
 # message), so a conversation's earlier turns, re-sent with every new one, are not counted again. First in, first
 # out, at most SHORT_CACHE_ENTRIES pieces (under 8.4M characters, 8-34 MB).
 SHORT_CACHE_ENTRIES = 16_384
+# A sampled piece's own estimate is kept (and taken again when the piece comes back) when it drew at least this many
+# of the windows: fewer, and its own error bound would be too wide to be worth keeping.
+PIECE_MIN_WINDOWS = 16
+
+_V = TypeVar("_V")
 
 
 @dataclass(slots=True)
@@ -121,7 +129,8 @@ class TokenCounter:
         self.sample_windows = sample_windows
         self.window_chars = window_chars
         self.margin_chars = margin_chars
-        self._cache = _CountCache(CACHE_TOTAL_CHARS)
+        self._cache: _CountCache[int] = _CountCache(CACHE_TOTAL_CHARS)
+        self._estimates: _CountCache[tuple[int, float]] = _CountCache(CACHE_TOTAL_CHARS)  # piece → (tokens, error)
         self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
     @property
@@ -159,21 +168,37 @@ class TokenCounter:
         if total_chars > CACHE_LOOKUP_MAX_CHARS:
             tokens, error = self._estimate(pieces, total_chars)
             return TokenCount(tokens, False, error)
+        known, guessed, guessed_error, unknown, unknown_chars = self._looked_up(pieces)
+        if unknown_chars < self.full_count_below_chars:
+            tokens = known + guessed + sum(map(self._count_piece, unknown))
+            return TokenCount(tokens, not guessed, guessed_error / tokens if guessed and tokens else 0.0)
+        estimated, error = self._estimate(unknown, unknown_chars, self._estimates)
+        tokens = known + guessed + estimated
+        return TokenCount(tokens, False, (error * estimated + guessed_error) / tokens if tokens else error)
+
+    def _looked_up(self, pieces: Sequence[str]) -> tuple[int, int, float, list[str], int]:
+        """The pieces seen before: (tokens of those counted exactly, tokens of those estimated, the estimates' error
+        in tokens), and the others with their length in characters."""
         known = 0
+        guessed = 0
+        guessed_error = 0.0
         unknown: list[str] = []
         unknown_chars = 0
+        floor = self.full_count_below_chars // 2
         for piece in pieces:
-            cached = self._cache.get(piece) if CACHE_MIN_CHARS <= len(piece) <= CACHE_MAX_CHARS else None
-            if cached is None:
-                unknown.append(piece)
-                unknown_chars += len(piece)
-            else:
+            n = len(piece)
+            cached = self._cache.get(piece) if CACHE_MIN_CHARS <= n <= CACHE_MAX_CHARS else None
+            if cached is not None:
                 known += cached
-        if unknown_chars < self.full_count_below_chars:
-            return TokenCount(known + sum(map(self._count_piece, unknown)), True)
-        estimated, error = self._estimate(unknown, unknown_chars)
-        tokens = known + estimated
-        return TokenCount(tokens, False, error * estimated / tokens if tokens else error)
+                continue
+            estimate = self._estimates.get(piece) if n >= floor else None
+            if estimate is not None:
+                guessed += estimate[0]
+                guessed_error += estimate[0] * estimate[1]
+                continue
+            unknown.append(piece)
+            unknown_chars += n
+        return known, guessed, guessed_error, unknown, unknown_chars
 
     def _count_piece(self, piece: str) -> int:
         n = len(piece)
@@ -202,20 +227,17 @@ class TokenCounter:
                     pass
         return count
 
-    def _estimate(self, pieces: Sequence[str], total_chars: int) -> tuple[int, float]:
+    def _estimate(self, pieces: Sequence[str], total_chars: int,
+                  per_piece: _CountCache[tuple[int, float]] | None = None) -> tuple[int, float]:
         """(tokens, relative error bound) ≈ UTF-8 bytes × (tokens per byte in the windows).
 
         A window [a, z) of a piece is tokenized as piece[a - margin : z + margin] (clipped to the piece, whose own
         ends are true token boundaries), and counts the tokens whose first byte lies in [a, z): each token of the
         text is counted by exactly one window position, so the ratio is unbiased whatever the cuts go through.
-        """
+        `per_piece`: where to keep each long piece's own estimate (`_keep_piece_estimates`)."""
         ends = list(itertools.accumulate(map(len, pieces)))
-        n = self.sample_windows
-        step = total_chars / n
-        width = self.window_chars
-        margin = self.margin_chars
-        half = width // 2
-        separator = len(_SEPARATOR)
+        n, width, margin = self.sample_windows, self.window_chars, self.margin_chars
+        step, half, separator = total_chars / n, width // 2, len(_SEPARATOR)
         positions = [int((i + 0.5) * step) for i in range(n)]
         indices = list(map(functools.partial(bisect.bisect_right, ends), positions))
         # Where each window starts in its piece, clamped to the piece (a piece up to `width` long is taken whole).
@@ -259,8 +281,33 @@ class TokenCounter:
             return 0, MIN_ERROR
         ratio = sampled_tokens / sampled_bytes
         tokens_total = math.ceil(ratio * _total_utf8_len(pieces, total_chars))
-        fraction = min(1.0, n * width / total_chars)
-        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes, fraction)
+        if per_piece is not None:
+            self._keep_piece_estimates(pieces, indices, counts, sizes, per_piece)
+        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes, min(1.0, n * width / total_chars))
+
+    def _keep_piece_estimates(self, pieces: Sequence[str], indices: Sequence[int], counts: Sequence[int],
+                              sizes: Sequence[int], cache: _CountCache[tuple[int, float]]) -> None:
+        """Each long piece's estimate from its own windows (stratified: its own tokens-per-byte ratio and error), for
+        a piece of half the exact threshold or more that drew at least PIECE_MIN_WINDOWS of them: a system prompt or
+        a document sent again is then taken from the cache, and only what is new is counted."""
+        width = self.window_chars
+        floor = self.full_count_below_chars // 2
+        first = 0
+        while first < len(indices):
+            index = indices[first]
+            last = first
+            while last < len(indices) and indices[last] == index:
+                last += 1
+            piece = pieces[index]
+            if len(piece) >= floor and last - first >= PIECE_MIN_WINDOWS:
+                piece_counts, piece_sizes = list(counts[first:last]), list(sizes[first:last])
+                sampled = sum(piece_sizes)
+                if sampled and sum(piece_counts):
+                    ratio = sum(piece_counts) / sampled
+                    tokens = math.ceil(ratio * _total_utf8_len((piece,), len(piece)))
+                    fraction = min(1.0, (last - first) * width / len(piece))
+                    cache.put(piece, (tokens, _ratio_error(piece_counts, piece_sizes, ratio, sampled, fraction)))
+            first = last
 
 
 def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int, fraction: float) -> float:
@@ -300,25 +347,25 @@ def _token_byte_lengths(encoding: tiktoken.Encoding) -> list[int]:
     return lengths
 
 
-class _CountCache:
-    """A thread-safe LRU of token counts keyed by the text, bounded by the characters it holds."""
+class _CountCache(Generic[_V]):
+    """A thread-safe LRU of token counts (or estimates) keyed by the text, bounded by the characters it holds."""
 
     __slots__ = ("_counts", "_chars", "_max_chars", "_lock")
 
     def __init__(self, max_chars: int) -> None:
-        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._counts: OrderedDict[str, _V] = OrderedDict()
         self._chars = 0
         self._max_chars = max_chars
         self._lock = threading.Lock()
 
-    def get(self, text: str) -> int | None:
+    def get(self, text: str) -> _V | None:
         with self._lock:
             count = self._counts.get(text)
             if count is not None:
                 self._counts.move_to_end(text)
             return count
 
-    def put(self, text: str, count: int) -> None:
+    def put(self, text: str, count: _V) -> None:
         with self._lock:
             if text in self._counts:
                 return

@@ -168,6 +168,35 @@ def test_the_error_of_cached_history_plus_a_sampled_rest_is_the_rest_s() -> None
     assert both.tokens == pytest.approx(exact, rel=both.error)
 
 
+def test_a_long_piece_sent_again_is_not_sampled_again(corpus: TextCorpus) -> None:
+    """A long system prompt is estimated once, from its own windows; a later prompt with it and a new question takes
+    that estimate and counts only the question (exactly): the same total as the first time for that part, within
+    the bound it states, at a fraction of the tokenizing."""
+    counter = TokenCounter()
+    rng = random.Random(12)
+    system = corpus.text("prose", 24_000, rng)
+    questions = [corpus.text("code", 4_800, rng) for _ in range(3)]
+    first = counter.measure_pieces([system, questions[0]])
+    assert not first.exact
+    tokenized: list[int] = []
+    encode = counter._encode
+
+    def counting(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text)
+
+    counter._encode = counting  # type: ignore[method-assign]
+    exact_questions = [len(ENC.encode_ordinary(q)) for q in questions]
+    again = [counter.measure_pieces([system, q]) for q in questions[1:]]
+    assert sum(tokenized) == sum(len(q) for q in questions[1:])  # the questions, whole; nothing of the system
+    system_part = {m.tokens - n for m, n in zip(again, exact_questions[1:])}
+    assert len(system_part) == 1  # the same estimate of the system prompt each time
+    exact_system = len(ENC.encode_ordinary(system))
+    for measured, n in zip(again, exact_questions[1:]):
+        assert not measured.exact and 0.0 < measured.error < first.error
+        assert measured.tokens == pytest.approx(exact_system + n, rel=measured.error)
+
+
 def test_counts_agree_across_threads(corpus: TextCorpus) -> None:
     counter = TokenCounter(ClassificationConfig(full_count_below_chars=50_000))
     rng = random.Random(8)
