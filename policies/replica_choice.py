@@ -769,9 +769,10 @@ class PrefixAffinity:
         "Near-best" reads the replicas' step clocks where the pool has a calibrator (`_clock_ttfts`): a whole
         prompt is prefilled here, and a replica whose last prefill ends in 0.2 s is not the same as one whose
         prefill just began, though both have one prompt outstanding (the analytic TTFT counts outstanding tokens,
-        not how far along they are). Without the clock, the analytic TTFT."""
-        ttfts = self._clock_ttfts(ranked) if self.calibrator is not None and len(ranked) > 1 else \
-            [c.predicted_ttft_s for c in ranked]
+        not how far along they are). Without the clock, or for a prompt shorter than a block (its prefill is a
+        step's), the analytic TTFT."""
+        clocked = self.calibrator is not None and len(ranked) > 1 and bool(request.block_hashes)
+        ttfts = self._clock_ttfts(ranked) if clocked else [c.predicted_ttft_s for c in ranked]
         limit = min(ttfts) * self.params.near_best_factor + self.params.near_best_slack_s
         near = [c for c, ttft in zip(ranked, ttfts, strict=True) if ttft <= limit]
         if len(near) > 1:
