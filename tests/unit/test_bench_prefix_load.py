@@ -21,6 +21,15 @@ def test_the_uniform_shape_is_inference_perfs_shared_prefix_at_the_issue_size() 
     assert first["messages"][0]["role"] == "system" and len(first["messages"][0]["content"].split()) == 6000
 
 
+def test_each_seed_draws_its_own_order_and_arrivals_of_the_same_requests() -> None:
+    """The replicas are deterministic, so rounds on one seed would repeat one sample: each round has its own."""
+    one, other = Shape().plan(7.5), replace(Shape(), seed=Shape.seed + 1).plan(7.5)
+    assert [i.at for i in one.items] != [i.at for i in other.items]
+    assert [i.prefix_group for i in one.items] != [i.prefix_group for i in other.items]
+    assert Counter(i.prefix_group for i in one.items) == Counter(i.prefix_group for i in other.items)
+    assert [i.at for i in Shape().plan(7.5).items] == [i.at for i in one.items]
+
+
 def test_the_hot_shape_puts_half_the_requests_on_one_group_mixed_through_the_run() -> None:
     plan = replace(Shape(), per_group=10, hot_share=0.5).plan(10.0)
     groups = Counter(i.prefix_group for i in plan.items)
