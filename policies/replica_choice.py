@@ -276,8 +276,7 @@ def _keep_full_holders(candidates: list[Candidate], params: ChoiceParams) -> Non
     for c in candidates:
         if c.saturated and c.matched_blocks == most:
             r = c.replica
-            if r.metrics_age_s is not None and r.metrics_age_s <= params.stale_after_s and \
-                    (r.waiting is None or r.waiting <= params.max_waiting):
+            if metrics_fresh(r, params) and (r.waiting is None or r.waiting <= params.max_waiting):
                 c.saturated = False
 
 

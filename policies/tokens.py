@@ -131,6 +131,7 @@ class TokenCounter:
         self.margin_chars = margin_chars
         self._cache: _CountCache[int] = _CountCache(CACHE_TOTAL_CHARS)
         self._estimates: _CountCache[tuple[int, float]] = _CountCache(CACHE_TOTAL_CHARS)  # piece → (tokens, error)
+        self._estimated_from = self.full_count_below_chars // 2  # pieces this long or longer keep their estimate
         self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
     @property
@@ -184,7 +185,7 @@ class TokenCounter:
         guessed_error = 0.0
         unknown: list[str] = []
         unknown_chars = 0
-        floor = self.full_count_below_chars // 2
+        floor = self._estimated_from
         for piece in pieces:
             n = len(piece)
             cached = self._cache.get(piece) if CACHE_MIN_CHARS <= n <= CACHE_MAX_CHARS else None
@@ -290,24 +291,19 @@ class TokenCounter:
         """Each long piece's estimate from its own windows (stratified: its own tokens-per-byte ratio and error), for
         a piece of half the exact threshold or more that drew at least PIECE_MIN_WINDOWS of them: a system prompt or
         a document sent again is then taken from the cache, and only what is new is counted."""
-        width = self.window_chars
-        floor = self.full_count_below_chars // 2
         first = 0
-        while first < len(indices):
-            index = indices[first]
-            last = first
-            while last < len(indices) and indices[last] == index:
-                last += 1
+        for index, windows in itertools.groupby(indices):  # the windows come in piece order
+            last = first + sum(1 for _ in windows)
             piece = pieces[index]
-            if len(piece) >= floor and last - first >= PIECE_MIN_WINDOWS:
-                piece_counts, piece_sizes = list(counts[first:last]), list(sizes[first:last])
-                sampled = sum(piece_sizes)
-                if sampled and sum(piece_counts):
-                    ratio = sum(piece_counts) / sampled
-                    tokens = math.ceil(ratio * _total_utf8_len((piece,), len(piece)))
-                    fraction = min(1.0, (last - first) * width / len(piece))
-                    cache.put(piece, (tokens, _ratio_error(piece_counts, piece_sizes, ratio, sampled, fraction)))
-            first = last
+            piece_counts, piece_sizes = list(counts[first:last]), list(sizes[first:last])
+            first, sampled = last, sum(piece_sizes)
+            if len(piece) < self._estimated_from or len(piece_counts) < PIECE_MIN_WINDOWS or not sampled or \
+                    not sum(piece_counts):
+                continue
+            ratio = sum(piece_counts) / sampled
+            tokens = math.ceil(ratio * _total_utf8_len((piece,), len(piece)))
+            fraction = min(1.0, len(piece_counts) * self.window_chars / len(piece))
+            cache.put(piece, (tokens, _ratio_error(piece_counts, piece_sizes, ratio, sampled, fraction)))
 
 
 def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int, fraction: float) -> float:

@@ -22,6 +22,19 @@ def corpus() -> TextCorpus:
     return TextCorpus()
 
 
+def _record_tokenized(counter: TokenCounter) -> list[int]:
+    """From now on, the length of each text `counter` hands the tokenizer."""
+    tokenized: list[int] = []
+    encode = counter._encode
+
+    def counting(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text)
+
+    counter._encode = counting  # type: ignore[method-assign]
+    return tokenized
+
+
 def test_short_texts_are_counted_exactly(corpus: TextCorpus) -> None:
     counter = TokenCounter()
     rng = random.Random(3)
@@ -139,14 +152,7 @@ def test_windows_cut_through_words_and_runs_without_bias() -> None:
 def test_the_sample_is_bounded_whatever_the_length(corpus: TextCorpus) -> None:
     """The estimate tokenizes about the same ~12K characters for a 30K-character text and a 3M-character one."""
     counter = TokenCounter()
-    tokenized: list[int] = []
-    encode = counter._encode
-
-    def counting(text: str) -> list[int]:
-        tokenized.append(len(text))
-        return encode(text)
-
-    counter._encode = counting  # type: ignore[method-assign]
+    tokenized = _record_tokenized(counter)
     for n_chars in (30_000, 300_000, 3_000_000):
         tokenized.clear()
         assert not counter.measure(corpus.mixed(n_chars, random.Random(5))).exact
@@ -178,14 +184,7 @@ def test_a_long_piece_sent_again_is_not_sampled_again(corpus: TextCorpus) -> Non
     questions = [corpus.text("code", 4_800, rng) for _ in range(3)]
     first = counter.measure_pieces([system, questions[0]])
     assert not first.exact
-    tokenized: list[int] = []
-    encode = counter._encode
-
-    def counting(text: str) -> list[int]:
-        tokenized.append(len(text))
-        return encode(text)
-
-    counter._encode = counting  # type: ignore[method-assign]
+    tokenized = _record_tokenized(counter)
     exact_questions = [len(ENC.encode_ordinary(q)) for q in questions]
     again = [counter.measure_pieces([system, q]) for q in questions[1:]]
     assert sum(tokenized) == sum(len(q) for q in questions[1:])  # the questions, whole; nothing of the system
