@@ -74,6 +74,7 @@ class RequestProfile:
     budget_field: str | None = None  # the request field that set output_budget (None when defaulted)
     model_counted: bool = False  # True once prompt_tokens came from a replica's /tokenize: no margin, no recount
     estimate_error: float = 0.0  # relative error bound of a sampled estimate (pool choice adds it to its band)
+    estimate_refinable: bool = False  # a coarse sample: classify(..., precise=True) would state a tighter bound
 
     @property
     def context_tokens(self) -> int:
@@ -84,11 +85,13 @@ class RequestProfile:
         a pool's learned token ratio applies). Every field is passed: tests compare all of them."""
         return RequestProfile(self.api, self.model, prompt_tokens, self.output_budget, self.budget_explicit,
                               self.modalities, self.thinking_mode, self.stream, self.n_images, self.n_videos,
-                              self.estimate_exact, self.budget_field, self.model_counted, self.estimate_error)
+                              self.estimate_exact, self.budget_field, self.model_counted, self.estimate_error,
+                              self.estimate_refinable)
 
 
-def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCounter) -> RequestProfile:
-    """Profile a parsed request body of the given API, or raise RequestRejected saying what to fix."""
+def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCounter, precise: bool = False
+             ) -> RequestProfile:
+    """Profile a parsed request body, or raise RequestRejected saying what to fix; `precise`: see TokenCounter."""
     if api not in APIS:
         raise ValueError(f"unknown api {api!r}; expected one of {sorted(APIS)}")  # a gateway bug, not the caller's
     if not isinstance(body, dict):
@@ -101,7 +104,6 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
         stream = False
     elif not isinstance(stream, bool):
         raise _bad_type(("stream",), "a boolean")
-
     prompt = _Prompt(cfg)
     if api == "chat":
         prompt.chat(body)
@@ -117,12 +119,12 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
     if api == "completions":  # separate prompts: the largest decides; token ids are model tokens already
         count = TokenCount(0, True)
         for text in prompt.alternatives:
-            measured = counter.measure(text)
+            measured = counter.measure(text, precise)
             if measured.tokens > count.tokens:
                 count = measured
         text_tokens = max(math.ceil(count.tokens * cfg.calibration_factor), prompt.token_ids)
     else:
-        count = counter.measure_pieces(prompt.texts)
+        count = counter.measure_pieces(prompt.texts, precise)
         text_tokens = math.ceil(count.tokens * cfg.calibration_factor) + GENERATION_PROMPT_TOKENS
     n_images, n_videos = prompt.n_images, prompt.n_videos
     if n_images or n_videos:
@@ -145,6 +147,7 @@ def classify(body: Any, api: str, cfg: ClassificationConfig, counter: TokenCount
         budget_field,
         False,  # model_counted
         count.error,  # estimate_error
+        count.refinable,  # estimate_refinable
     )
 
 

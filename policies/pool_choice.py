@@ -50,7 +50,8 @@ class PoolChoice:
 
 def with_exact_prompt_tokens(profile: RequestProfile, prompt_tokens: int) -> RequestProfile:
     """The profile re-counted by the model's tokenizer: no safety margin applies and no further count is needed."""
-    return replace(profile, prompt_tokens=prompt_tokens, estimate_exact=True, model_counted=True, estimate_error=0.0)
+    return replace(profile, prompt_tokens=prompt_tokens, estimate_exact=True, model_counted=True, estimate_error=0.0,
+                   estimate_refinable=False)
 
 
 def with_learned_ratio(profile: RequestProfile, ratio: float) -> RequestProfile:

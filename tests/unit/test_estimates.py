@@ -180,9 +180,9 @@ def test_with_prompt_tokens_copies_every_other_field() -> None:
 
     original = RequestProfile("responses", "m", 10, 99, True, frozenset({"text", "image"}), "enabled", True,
                               n_images=2, n_videos=1, estimate_exact=False, budget_field="max_output_tokens",
-                              model_counted=False, estimate_error=0.07)
+                              model_counted=False, estimate_error=0.07, estimate_refinable=True)
     copy = original.with_prompt_tokens(1234)
     assert copy is not original and copy.prompt_tokens == 1234
     assert [(f.name, getattr(copy, f.name)) for f in fields(RequestProfile) if f.name != "prompt_tokens"] == [
         (f.name, getattr(original, f.name)) for f in fields(RequestProfile) if f.name != "prompt_tokens"]
-    assert len(fields(RequestProfile)) == 14  # with_prompt_tokens passes 14
+    assert len(fields(RequestProfile)) == 15  # with_prompt_tokens passes 15

@@ -39,17 +39,22 @@ def test_request_profile_fields_land_by_name() -> None:
     profile = classify(body, "chat", cfg, TokenCounter(cfg))
     assert {f.name for f in dataclasses.fields(RequestProfile)} == {
         "api", "model", "prompt_tokens", "output_budget", "budget_explicit", "modalities", "thinking_mode", "stream",
-        "n_images", "n_videos", "estimate_exact", "budget_field", "model_counted", "estimate_error"}
+        "n_images", "n_videos", "estimate_exact", "budget_field", "model_counted", "estimate_error",
+        "estimate_refinable"}
     assert profile.api == "chat" and profile.model == "m" and profile.stream is True
     assert profile.output_budget == 77 and profile.budget_explicit is True
     assert profile.budget_field == "max_completion_tokens" and profile.thinking_mode == "disabled"
     assert profile.modalities == frozenset({"text", "image", "video"})
     assert (profile.n_images, profile.n_videos, profile.estimate_exact, profile.model_counted) == (1, 1, True, False)
-    assert profile.estimate_error == 0.0
+    assert profile.estimate_error == 0.0 and profile.estimate_refinable is False
     assert profile.prompt_tokens > cfg.image_tokens_default + cfg.video_tokens_default
     sampled = classify({"messages": [{"role": "user", "content": "word and number 12 " * 2000}]}, "chat", cfg,
                        TokenCounter(cfg))
     assert sampled.estimate_exact is False and 0 < sampled.estimate_error < 0.1 and sampled.model_counted is False
+    assert sampled.estimate_refinable is True
+    precise = classify({"messages": [{"role": "user", "content": "word and number 12 " * 2000}]}, "chat", cfg,
+                       TokenCounter(cfg), precise=True)
+    assert precise.estimate_refinable is False and 0 < precise.estimate_error <= sampled.estimate_error
     plain = classify({"messages": [{"role": "user", "content": "hi"}]}, "chat", cfg, TokenCounter(cfg))
     assert plain.modalities == frozenset({"text"}) and plain.model is None and plain.stream is False
     assert plain.budget_explicit is False and plain.budget_field is None
