@@ -6,7 +6,9 @@ Without `admin.api_key` configured it answers loopback clients only.
 from __future__ import annotations
 
 import hmac
+import os
 import re
+import signal
 from typing import Any
 
 from starlette.requests import Request
@@ -118,7 +120,15 @@ async def reload(request: Request) -> Response:
     if (denied := _authorized(request)) is not None:
         return denied
     status = await request.app.state.reloader.reload("admin API")
-    return JSONResponse(status.as_json(), status_code=200 if status.ok else 422)
+    answer = status.as_json()
+    supervisor = request.app.state.supervisor_pid
+    if status.ok and supervisor is not None:  # a worker: the others reload too (the supervisor forwards SIGHUP)
+        try:
+            os.kill(supervisor, signal.SIGHUP)
+            answer["workers"] = "all: SIGHUP sent to the supervisor, which forwards it to every worker"
+        except OSError as exc:
+            answer["workers"] = f"this one only: the supervisor (pid {supervisor}) could not be signalled ({exc})"
+    return JSONResponse(answer, status_code=200 if status.ok else 422)
 
 
 async def reload_status(request: Request) -> Response:

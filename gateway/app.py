@@ -32,8 +32,11 @@ from policies.config import GatewayConfig
 log = logging.getLogger("m3gate")
 
 
-def build_app(config: GatewayConfig, config_path: str | None = None, resolver: Any = None) -> Starlette:
-    """The ASGI app; with `config_path` the file is watched and reloadable (SIGHUP, /admin/reload)."""
+def build_app(config: GatewayConfig, config_path: str | None = None, resolver: Any = None,
+              supervisor_pid: int | None = None) -> Starlette:
+    """The ASGI app; with `config_path` the file is watched and reloadable (SIGHUP, /admin/reload).
+    `supervisor_pid`: this is a worker of that supervisor (gateway/supervisor.py), which /admin/reload asks to
+    reload every worker."""
     gateway = Gateway(config, resolver=resolver)
     coordinator = Coordinator(gateway)
     reloader = ConfigReloader(gateway, config_path)
@@ -69,6 +72,7 @@ def build_app(config: GatewayConfig, config_path: str | None = None, resolver: A
     app.state.reloader = reloader
     app.state.history = history
     app.state.batch = batch
+    app.state.supervisor_pid = supervisor_pid
     return app
 
 

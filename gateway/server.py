@@ -27,9 +27,9 @@ def load_app(config_path: str) -> tuple[GatewayConfig, Starlette] | None:
     return None if config is None else (config, _build_app(config, config_path))
 
 
-def _build_app(config: GatewayConfig, config_path: str) -> Starlette:
+def _build_app(config: GatewayConfig, config_path: str, supervisor_pid: int | None = None) -> Starlette:
     _return_freed_memory()
-    app = build_app(config, config_path)
+    app = build_app(config, config_path, supervisor_pid=supervisor_pid)
     _quiet_garbage_collector()
     return app
 
@@ -64,7 +64,7 @@ def serve(config_path: str, host: str | None = None, port: int | None = None, wo
                   file=sys.stderr)
             return 2
         return supervise(config, config_path, host, port)
-    app = _build_app(config, config_path)
+    app = _build_app(config, config_path, os.getppid() if worker is not None else None)
     if config.admin.api_key is None and not worker:
         logging.getLogger("m3gate").warning("no admin.api_key: the admin API answers loopback clients only")
     if listener == "granian":

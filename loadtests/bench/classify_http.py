@@ -9,7 +9,7 @@ started the same way from its own directory. Each request is an agent-like chat 
 `agent_chat`: a system prompt, tools, many turns, huge pasted files) that neither gateway has seen (cold count caches
 and prefix index), streamed, with max_tokens 16 so that the answer is a few SSE events; the same chats go to every
 gateway, one request at a time, alternating which goes first. A gateway's CPU per request is read from
-/proc/PID/task/*/schedstat (every thread, to the nanosecond: bodies over 64 KiB are classified in a worker thread)
+/proc/PID/task/*/schedstat (every thread, to the nanosecond: bodies over 1 MiB are classified in a worker thread)
 before the request and after its answer, so what other processes do on this shared machine is not counted; its idle
 CPU (health checks, /metrics scrapes: ~3 ms a second), measured for a second before each size, is subtracted for as
 long as each request took. The
@@ -86,8 +86,13 @@ def send(conn: http.client.HTTPConnection, payload: bytes) -> tuple[int, str]:
 
 
 def asks_tokenize(body: dict[str, Any], counter: Any, cfg: ClassificationConfig, pools: list[PoolConfig]) -> bool:
+    """As the coordinator decides: a coarse first estimate whose bound straddles a limit is sampled in full first."""
     try:
-        return choose_pool(classify(body, "chat", cfg, counter), pools, cfg).needs_exact_count
+        profile = classify(body, "chat", cfg, counter)
+        choice = choose_pool(profile, pools, cfg)
+        if choice.needs_exact_count and profile.estimate_refinable:
+            choice = choose_pool(classify(body, "chat", cfg, counter, precise=True), pools, cfg)
+        return choice.needs_exact_count
     except RequestRejected:
         return False
 

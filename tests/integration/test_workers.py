@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 import openai
 import pytest
 
@@ -67,6 +68,7 @@ def workers(private_redis: PrivateRedis, replicas: list[SimProcess]) -> Iterator
         "routing": {"policy": "prefix_affinity"},
         "state": f"redis://127.0.0.1:{private_redis.port}/7",
         "server": {"health_interval_s": 0.5, "workers": 2, "worker_port_base": base},
+        "admin": {"watch_config": False},  # reloads come from SIGHUP and the admin API only
     }
     gw = start_gateway(config)
     own = [f"http://127.0.0.1:{base + i}" for i in range(2)]
@@ -165,6 +167,24 @@ def test_sighup_reloads_every_worker_and_a_batch_file_is_one_folder_for_all(
     assert uploaded.status_code == 200, uploaded.text
     seen = httpx.get(own[1] + f"/v1/files/{uploaded.json()['id']}", timeout=10)
     assert seen.status_code == 200 and seen.json()["filename"] == "in.jsonl", seen.text
+
+
+def test_a_reload_through_the_shared_port_reloads_every_worker(workers: tuple[GatewayProcess, list[str]]) -> None:
+    """POST /admin/reload reaches one worker (the connection's); that one validates and applies the file and asks
+    the supervisor to forward SIGHUP, so every worker serves the edited config, not just the one asked."""
+    gw, own = workers
+    config = httpx.get(own[0] + "/admin/config", timeout=5).json()
+    slack = config["routing"]["load_slack"] + 1.0
+    edited = yaml.safe_load(gw.config_path.read_text())
+    edited.setdefault("routing", {})["load_slack"] = slack
+    gw.write_config(edited)
+    answer = httpx.post(gw.url + "/admin/reload", timeout=10)
+    assert answer.status_code == 200 and answer.json()["workers"].startswith("all"), answer.text
+    deadline = time.monotonic() + 20
+    while not all(httpx.get(url + "/admin/config", timeout=5).json()["routing"]["load_slack"] == slack
+                  for url in own):
+        assert time.monotonic() < deadline, f"not every worker reloaded:\n{gw.log_tail()}"
+        time.sleep(0.1)
 
 
 def test_a_killed_worker_is_replaced_and_sigterm_stops_them_all(workers: tuple[GatewayProcess, list[str]]) -> None:
