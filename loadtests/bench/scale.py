@@ -15,7 +15,8 @@ scatter around it). The ratio m3gate ÷ peer is printed per N and mode, and m3ga
 N over its cost at the smallest N (how the decision grows with the pool).
 
 Long prompts: at N = `--long-pool`, one request at a time of ~28K and ~95K tokens (distinct texts, so no tokens
-cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request.
+cache helps; the body's `max_model_len` is 131,072), m3gate's and the peer's CPU per request, after a warm-up of
+LONG_WARMUP such requests each (not counted: first-use costs are no request's).
 
 Memory (`--phases` picks which of sizes, long and memory run): each proxy alone on a fresh fleet of `--long-pool` workers, RSS (its processes
 together) after a warm-up, after 2,000 distinct ~28K-token prompts, after 200 distinct ~400K-token prompts (8 at a
@@ -54,6 +55,7 @@ from loadtests.lib.results import Results
 CONCURRENCY = 16
 STREAM_TOKENS = 64
 LONG_TOKENS = (28_000, 95_000)
+LONG_WARMUP = 4  # long requests each proxy serves (new texts too) before its CPU is read, at each size
 HEALTH_INTERVAL_S = 5.0
 IDLE_S = 2 * HEALTH_INTERVAL_S  # whole probing rounds: probes come in bursts, one per replica each interval
 
@@ -287,9 +289,12 @@ def measure_long(n: int, peer: str | None, requests: int) -> dict[int, dict[str,
         out: dict[int, dict[str, float | None]] = {}
         for tokens in LONG_TOKENS:
             bodies = [{**chat_body(16, False), "messages": [{"role": "user", "content": _long_text(tokens, s)}]}
-                      for s in range(requests * len(proxies) + 1)]
-            out[tokens] = {p.name: _long_cpu(p, bodies[i * requests:(i + 1) * requests])
-                           for i, p in enumerate(proxies)}
+                      for s in range((requests + LONG_WARMUP) * len(proxies))]
+            out[tokens] = {}
+            for i, p in enumerate(proxies):
+                mine = bodies[i * (requests + LONG_WARMUP):(i + 1) * (requests + LONG_WARMUP)]
+                _long_cpu(p, mine[:LONG_WARMUP])  # first-use costs (tables, code paths, connections) not counted
+                out[tokens][p.name] = _long_cpu(p, mine[LONG_WARMUP:])
         return out
     finally:
         for p in proxies:
