@@ -4,8 +4,10 @@ Choosing a pool needs the prompt's size before any replica sees it. tiktoken cos
 (~0.12 for CJK), so a 28K-token chat (~80K characters) takes ~6 ms to count exactly and a 1M-token one ~0.4 s, while a
 pool decision needs only a few percent of accuracy: near a pool's limit the gateway asks a replica's `/tokenize`
 anyway, over a band that takes in the estimate's own error bound (`TokenCount.error`, see policies/pool_choice.py). So
-texts of `EXACT_BELOW_CHARS` characters or more are estimated from `sample_windows` evenly spaced windows of
-`window_chars` characters (~12K characters tokenized in all, in one call: ~1-1.5 ms whatever the length):
+texts of `EXACT_BELOW_CHARS` characters or more are estimated from evenly spaced windows of `window_chars`
+characters: first `coarse_windows` of them (~3K characters tokenized in one call, ~0.3 ms whatever the length), and
+only where that estimate's bound straddles a pool's limit `sample_windows` (`precise=True`: ~12K characters,
+~1-1.5 ms; the coordinator asks for it before a replica's /tokenize):
 
 - each window is tokenized with `WINDOW_MARGIN_CHARS` of context on both sides, and only the tokens that *start*
   inside it are counted, so a cut through a word, a CJK clause or a base64 run neither adds nor loses a token (the
