@@ -32,7 +32,7 @@ from loadtests.lib.harness import run_dir
 from loadtests.lib.results import Results
 from policies.classify import RequestProfile, classify
 from policies.errors import RequestRejected
-from policies.pool_choice import choose_pool
+from policies.pool_choice import PoolChoice, choose_pool
 from policies.tokens import TokenCounter
 from policies.config import ClassificationConfig, PoolConfig
 
@@ -49,22 +49,29 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counter: TokenCounter,
-                         pools: list[PoolConfig]) -> tuple[float, RequestProfile, str]:
-    """CPU seconds of this thread for classify + choose_pool as the coordinator does them (not wall time: on a shared
-    machine that mostly measures the other processes): a coarse estimate first and, where its bound straddles a
-    pool's limit, the full sample; the profile the choice rests on, and the pool chosen (or "rejected")."""
-    start = time.thread_time()
+def coordinator_choice(body: dict[str, Any], cfg: ClassificationConfig, counter: Any, pools: list[PoolConfig]
+                       ) -> tuple[RequestProfile, PoolChoice | None, bool]:
+    """Classification and pool choice as gateway/coordinator.py makes them, without a replica: a coarse estimate
+    first and, where its bound straddles a pool's limit, the full sample. The profile the choice rests on, the
+    choice (None: rejected), and whether the full sample was taken."""
     profile = classify(body, "chat", cfg, counter)
     try:
         choice = choose_pool(profile, pools, cfg)
-        if choice.needs_exact_count and profile.estimate_refinable:
-            profile = classify(body, "chat", cfg, counter, precise=True)
-            choice = choose_pool(profile, pools, cfg)
-        pool = choice.pool.name
+        if not (choice.needs_exact_count and profile.estimate_refinable):
+            return profile, choice, False
+        profile = classify(body, "chat", cfg, counter, precise=True)
+        return profile, choose_pool(profile, pools, cfg), True
     except RequestRejected:
-        pool = "rejected"
-    return time.thread_time() - start, profile, pool
+        return profile, None, False
+
+
+def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counter: TokenCounter,
+                         pools: list[PoolConfig]) -> tuple[float, RequestProfile, PoolChoice | None, bool]:
+    """`coordinator_choice` and the CPU seconds of this thread it took (not wall time: on a shared machine that
+    mostly measures the other processes)."""
+    start = time.thread_time()
+    profile, choice, refined = coordinator_choice(body, cfg, counter, pools)
+    return time.thread_time() - start, profile, choice, refined
 
 
 def run(sizes: list[int], requests: int, repeats: int, seed: int, cfg: ClassificationConfig | None = None,
@@ -98,20 +105,19 @@ def run(sizes: list[int], requests: int, repeats: int, seed: int, cfg: Classific
                     warm[name].append(_classify_and_choose(body, cfg, counter, pools)[0])  # a next turn
         exact_times, exact_profiles, exact_choices = [], [], []
         for body in bodies:
-            seconds, profile, _ = _classify_and_choose(body, exact_cfg, TokenCounter(exact_cfg), pools)
+            seconds, profile, _, _ = _classify_and_choose(body, exact_cfg, TokenCounter(exact_cfg), pools)
             exact_times.append(seconds)
             exact_profiles.append(profile)
             exact_choices.append(_choice(profile, pools, cfg))
         for name, make in counters.items():
             errors, bounds, same, asks, sampled, refined = [], [], 0, 0, False, 0
             for body, exact, exact_choice in zip(bodies, exact_profiles, exact_choices):
-                first = classify(body, "chat", cfg, make())
-                _, estimated, _ = _classify_and_choose(body, cfg, make(), pools)
-                refined += first.estimate_refinable and not estimated.estimate_refinable
+                estimated, choice, full = coordinator_choice(body, cfg, make(), pools)
+                refined += full
                 errors.append(estimated.prompt_tokens / exact.prompt_tokens - 1)
                 bounds.append(estimated.estimate_error)
                 sampled = sampled or not estimated.estimate_exact
-                pool, asked = _choice(estimated, pools, cfg)
+                pool, asked = ("rejected", False) if choice is None else (choice.pool.name, choice.needs_exact_count)
                 asks += asked
                 same += pool == exact_choice[0] or asked  # a /tokenize then decides as the exact count does
             rows.append({

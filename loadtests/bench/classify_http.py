@@ -41,8 +41,6 @@ from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import GatewayProc, pin, thread_cpu_seconds, wait_gateway_sees
 from loadtests.lib.results import Results
 from policies.classify import classify
-from policies.errors import RequestRejected
-from policies.pool_choice import choose_pool
 from policies.tokens import TokenCounter
 from policies.config import ClassificationConfig, PoolConfig
 
@@ -86,15 +84,11 @@ def send(conn: http.client.HTTPConnection, payload: bytes) -> tuple[int, str]:
 
 
 def asks_tokenize(body: dict[str, Any], counter: Any, cfg: ClassificationConfig, pools: list[PoolConfig]) -> bool:
-    """As the coordinator decides: a coarse first estimate whose bound straddles a limit is sampled in full first."""
-    try:
-        profile = classify(body, "chat", cfg, counter)
-        choice = choose_pool(profile, pools, cfg)
-        if choice.needs_exact_count and profile.estimate_refinable:
-            choice = choose_pool(classify(body, "chat", cfg, counter, precise=True), pools, cfg)
-        return choice.needs_exact_count
-    except RequestRejected:
-        return False
+    """Whether the gateway would ask a replica's /tokenize first (bench.classify's `coordinator_choice`)."""
+    from loadtests.bench.classify import coordinator_choice
+
+    _, choice, _ = coordinator_choice(body, cfg, counter, pools)
+    return choice is not None and choice.needs_exact_count
 
 
 def chats_near(corpus: TextCorpus, tokens: int, count: int, rng: random.Random, cfg: ClassificationConfig,
