@@ -95,7 +95,7 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
     profile = classify(body, "chat", ccfg, gw.counter)
     pools = cfg.pools_by_size()
     coordinator = Coordinator(gw)
-    choice, _ = run_sync(coordinator.choose_pool(profile, body, "chat", None))
+    choice, _, _ = run_sync(coordinator.choose_pool(profile, body, "chat", None, len(RAW)))
     runtime = gw.pools["interactive"]
     replica = next(iter(runtime.replicas.values()))
     now = gw.clock()
@@ -142,7 +142,7 @@ def steps(gw: Gateway) -> dict[str, Callable[[], Any]]:
         "TokenCounter.measure_pieces, unseen text": lambda: gw.counter.measure_pieces((next(unseen),)),
         "classify, unseen text": lambda: classify(next(unseen_bodies), "chat", ccfg, gw.counter),
         "choose_pool (pure)": lambda: choose_pool(profile, pools, ccfg, saturated=frozenset()),
-        "Coordinator.choose_pool": lambda: run_sync(coordinator.choose_pool(profile, body, "chat", None)),
+        "Coordinator.choose_pool": lambda: run_sync(coordinator.choose_pool(profile, body, "chat", None, len(RAW))),
         "Replica.snapshot": lambda: replica.snapshot(now),
         "PoolRuntime.snapshots (shared)": lambda: runtime.snapshots(now, gw.shared),
         "PoolRuntime.available": lambda: runtime.available(now),
