@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from loadtests.bench.classify_http import coordinator_choice
 from loadtests.lib.against import checkout, token_counter
 from loadtests.lib.agent_corpus import TextCorpus, agent_chat
 from loadtests.lib.harness import run_dir
@@ -47,22 +48,6 @@ def product_pools() -> list[PoolConfig]:
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def coordinator_choice(body: dict[str, Any], cfg: ClassificationConfig, counter: Any, pools: list[PoolConfig]
-                       ) -> tuple[RequestProfile, PoolChoice | None, bool]:
-    """Classification and pool choice as gateway/coordinator.py makes them, without a replica: a coarse estimate
-    first and, where its bound straddles a pool's limit, the full sample. The profile the choice rests on, the
-    choice (None: rejected), and whether the full sample was taken."""
-    profile = classify(body, "chat", cfg, counter)
-    try:
-        choice = choose_pool(profile, pools, cfg)
-        if not (choice.needs_exact_count and profile.estimate_refinable):
-            return profile, choice, False
-        profile = classify(body, "chat", cfg, counter, precise=True)
-        return profile, choose_pool(profile, pools, cfg), True
-    except RequestRejected:
-        return profile, None, False
 
 
 def _classify_and_choose(body: dict[str, Any], cfg: ClassificationConfig, counter: TokenCounter,

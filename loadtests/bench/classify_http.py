@@ -40,7 +40,9 @@ from loadtests.lib.agent_corpus import TextCorpus, agent_chat
 from loadtests.lib.harness import run_dir
 from loadtests.lib.replicas import GatewayProc, pin, thread_cpu_seconds, wait_gateway_sees
 from loadtests.lib.results import Results
-from policies.classify import classify
+from policies.classify import RequestProfile, classify
+from policies.errors import RequestRejected
+from policies.pool_choice import PoolChoice, choose_pool
 from policies.tokens import TokenCounter
 from policies.config import ClassificationConfig, PoolConfig
 
@@ -83,10 +85,24 @@ def send(conn: http.client.HTTPConnection, payload: bytes) -> tuple[int, str]:
     return resp.status, resp.getheader("x-m3gate-pool") or ""
 
 
-def asks_tokenize(body: dict[str, Any], counter: Any, cfg: ClassificationConfig, pools: list[PoolConfig]) -> bool:
-    """Whether the gateway would ask a replica's /tokenize first (bench.classify's `coordinator_choice`)."""
-    from loadtests.bench.classify import coordinator_choice
+def coordinator_choice(body: dict[str, Any], cfg: ClassificationConfig, counter: Any, pools: list[PoolConfig]
+                       ) -> tuple[RequestProfile, PoolChoice | None, bool]:
+    """Classification and pool choice as gateway/coordinator.py makes them, without a replica: a coarse estimate
+    first and, where its bound straddles a pool's limit, the full sample. The profile the choice rests on, the
+    choice (None: rejected), and whether the full sample was taken."""
+    profile = classify(body, "chat", cfg, counter)
+    try:
+        choice = choose_pool(profile, pools, cfg)
+        if not (choice.needs_exact_count and profile.estimate_refinable):
+            return profile, choice, False
+        profile = classify(body, "chat", cfg, counter, precise=True)
+        return profile, choose_pool(profile, pools, cfg), True
+    except RequestRejected:
+        return profile, None, False
 
+
+def asks_tokenize(body: dict[str, Any], counter: Any, cfg: ClassificationConfig, pools: list[PoolConfig]) -> bool:
+    """Whether the gateway would ask a replica's /tokenize first."""
     _, choice, _ = coordinator_choice(body, cfg, counter, pools)
     return choice is not None and choice.needs_exact_count
 
